@@ -1,0 +1,80 @@
+"""Helpers shared by the op modules: dtype codes, errors, thread counts."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_CODE: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+# ‖out − ref‖ / ‖ref‖ allowed per dtype; fp32 leaves room for tf32 matrix units.
+TOLERANCE = {"fp16": 5e-3, "bf16": 2e-2, "fp32": 2e-3}
+
+
+def dtype_code(t: torch.Tensor) -> str:
+    try:
+        return DTYPE_CODE[t.dtype]
+    except KeyError:
+        raise TypeError(f"dtype {t.dtype} is not supported; use one of {', '.join(DTYPES)}") from None
+
+
+def tolerance(dtype: str) -> float:
+    return TOLERANCE[dtype]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN/inf or unwritten poison gives inf."""
+    o = out.detach().to(torch.float64)
+    r = ref.detach().to(device=o.device, dtype=torch.float64)
+    if o.shape != r.shape:
+        return float("inf")
+    if not torch.isfinite(o).all():
+        return float("inf")
+    denom = torch.linalg.vector_norm(r).item()
+    err = torch.linalg.vector_norm(o - r).item()
+    return err / denom if denom > 0 else err
+
+
+def randn(shape, dtype: str, device, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu") * scale
+    return x.to(device=device, dtype=DTYPES[dtype])
+
+
+def generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the block with `n` intra-op threads (0 keeps the current setting)."""
+    if not n:
+        yield
+        return
+    old = torch.get_num_threads()
+    if n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def cpu_thread_choices() -> tuple[int, ...]:
+    import os
+
+    n = os.cpu_count() or 1
+    choices = sorted({1, max(1, n // 2), n})
+    return tuple(choices)
+
+
+def pow2_at_least(x: int, lo: int = 16) -> int:
+    p = lo
+    while p < x:
+        p *= 2
+    return p

@@ -1,0 +1,253 @@
+"""Ops and their implementations: the one registry every part of ops-adv reads."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import itertools
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+Params = Mapping[str, Any]
+Check = Callable[[Any, Params], "str | None"]
+
+
+class OpsAdvError(Exception):
+    """Root of every error ops-adv raises on purpose; the message is one line for a user."""
+
+    def __reduce__(self):  # picklable across Ray's process boundary
+        return (type(self), self.args)
+
+
+class UnknownOpError(OpsAdvError):
+    pass
+
+
+class NoImplementationError(OpsAdvError):
+    pass
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What ops-adv needs to know about an op, independent of any implementation.
+
+    signature(*tensors, **attrs) -> Problem     the hashable key, computed on the hot path
+    make_inputs(problem, device, seed) -> (tensors, attrs)
+    reference(*tensors, **attrs) -> tensor        computed in float64 where it matters
+    """
+
+    name: str
+    problem: type  # a NamedTuple class
+    signature: Callable[..., tuple]  # a plain tuple equal to the problem (fast to build)
+    make_inputs: Callable[..., tuple]
+    reference: Callable[..., Any]
+    tolerance: Callable[[str], float]
+    flops: Callable[[Any], float]
+    bytes_moved: Callable[[Any], float]
+    size_fields: tuple[str, ...]  # numeric fields used for nearest-problem distance
+    default_problems: Callable[[str], list]
+    choices: Mapping[str, tuple] = field(default_factory=dict)  # allowed values of categorical fields
+
+    def parse_problem(self, data: Mapping[str, Any]) -> Any:
+        fields = self.problem._fields
+        missing = [f for f in fields if f not in data and f not in self.problem._field_defaults]
+        unknown = [k for k in data if k not in fields]
+        if missing or unknown:
+            raise OpsAdvError(
+                f"{self.name} problem {dict(data)} is malformed"
+                + (f": missing {', '.join(missing)}" if missing else "")
+                + (f": unknown {', '.join(unknown)}" if unknown else "")
+                + f"; a {self.name} problem has fields {', '.join(fields)}"
+            )
+        values = {}
+        for f in fields:
+            v = data.get(f, self.problem._field_defaults.get(f))
+            default = self.problem._field_defaults.get(f)
+            if f in self.size_fields:
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise OpsAdvError(f"{self.name} problem field {f}={v!r} must be a positive integer")
+            elif isinstance(default, bool) and not isinstance(v, bool):
+                raise OpsAdvError(f"{self.name} problem field {f}={v!r} must be true or false")
+            allowed = self.choices.get(f, ("fp16", "bf16", "fp32") if f == "dtype" else None)
+            if allowed is not None and v not in allowed:
+                raise OpsAdvError(f"{self.name} problem field {f}={v!r} must be one of {', '.join(map(str, allowed))}")
+            values[f] = v
+        return self.problem(**values)
+
+
+@dataclass(frozen=True)
+class Impl:
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    priority: int
+    backends: frozenset[str]
+    space: Mapping[str, tuple]
+    vendor: bool
+    check: Check | None
+    requires: tuple[str, ...]
+    module: str
+
+    @functools.cached_property
+    def unavailable(self) -> str | None:
+        """Why this implementation cannot run here, or None."""
+        for mod in self.requires:
+            if importlib.util.find_spec(mod) is None:
+                return f"{mod} not available"
+        return None
+
+    @functools.cached_property
+    def version(self) -> str:
+        """Hash of the implementation's module source and its parameter space."""
+        h = hashlib.sha256()
+        mod = sys.modules.get(self.module)
+        path = getattr(mod, "__file__", None)
+        if path:
+            with open(path, "rb") as f:
+                h.update(f.read())
+        h.update(repr((self.op, self.name, sorted((k, tuple(v)) for k, v in self.space.items()))).encode())
+        return h.hexdigest()[:16]
+
+    def why_not(self, problem: Any, params: Params | None = None, backend: str | None = None) -> str | None:
+        """Reason this implementation cannot run `problem` with `params`, or None."""
+        if self.unavailable:
+            return self.unavailable
+        if backend is not None and backend not in self.backends:
+            return f"no {backend} backend"
+        if self.check is not None:
+            return self.check(problem, params if params is not None else self.default_params())
+        return None
+
+    def default_params(self) -> dict[str, Any]:
+        return {k: v[0] for k, v in self.space.items()}
+
+    def configs(self) -> Iterator[dict[str, Any]]:
+        """Every point of the parameter space (unfiltered)."""
+        keys = list(self.space)
+        for values in itertools.product(*(self.space[k] for k in keys)):
+            yield dict(zip(keys, values))
+
+    def bind(self, params: Params) -> Callable[..., Any]:
+        return functools.partial(self.fn, **params) if params else self.fn
+
+
+_OPS: dict[str, OpSpec] = {}
+_IMPLS: dict[str, dict[str, Impl]] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    _OPS[spec.name] = spec
+    _IMPLS.setdefault(spec.name, {})
+    return spec
+
+
+def register_impl(
+    op: str,
+    *,
+    name: str | None = None,
+    priority: int = 0,
+    backends: tuple[str, ...] = ("cpu",),
+    space: Mapping[str, tuple] | None = None,
+    vendor: bool = False,
+    check: Check | None = None,
+    requires: tuple[str, ...] = (),
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register an implementation of `op`; higher priority is preferred when nothing is tuned.
+
+    `space` maps each parameter to its choices (the first is the default); `check(problem,
+    params)` returns why a configuration is invalid, or None; `requires` names modules that
+    must be importable (a missing one is reported as the reason, not hidden).
+    """
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if op not in _OPS:
+            raise UnknownOpError(f"cannot register {fn.__name__}: unknown op {op!r}")
+        impl = Impl(
+            op=op,
+            name=name or fn.__name__,
+            fn=fn,
+            priority=priority,
+            backends=frozenset(backends),
+            space=dict(space or {}),
+            vendor=vendor,
+            check=check,
+            requires=tuple(requires),
+            module=fn.__module__,
+        )
+        _IMPLS[op][impl.name] = impl
+        return fn
+
+    return deco
+
+
+def unregister_impl(op: str, name: str) -> None:
+    _IMPLS.get(op, {}).pop(name, None)
+
+
+def get_op(op: str) -> OpSpec:
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise UnknownOpError(f"unknown op {op!r}; known ops: {', '.join(sorted(_OPS))}") from None
+
+
+def ops() -> list[str]:
+    return sorted(_OPS)
+
+
+def impls(op: str, *, backend: str | None = None) -> list[Impl]:
+    """Implementations of `op`, highest priority first."""
+    get_op(op)
+    found = [i for i in _IMPLS[op].values() if backend is None or backend in i.backends]
+    return sorted(found, key=lambda i: (-i.priority, i.name))
+
+
+def get_impl(op: str, name: str) -> Impl:
+    get_op(op)
+    try:
+        return _IMPLS[op][name]
+    except KeyError:
+        raise NoImplementationError(
+            f"{op} has no implementation {name!r}; known: {', '.join(sorted(_IMPLS[op]))}"
+        ) from None
+
+
+def choose_default(op: str, problem: Any, backend: str) -> Impl:
+    """Highest-priority implementation that runs `problem` on `backend`, or an error listing why each was refused."""
+    reasons = []
+    for impl in impls(op):
+        why = impl.why_not(problem, backend=backend)
+        if why is None:
+            return impl
+        reasons.append(f"{impl.name}: {why}")
+    raise NoImplementationError(f"no {op} implementation runs {problem} on {backend} ({'; '.join(reasons)})")
+
+
+def backend_of(device: "torch.device | str") -> str:
+    t = device if isinstance(device, str) else device.type
+    return "cuda" if t.startswith("cuda") else t
+
+
+def problem_key(problem: NamedTuple) -> str:
+    """Canonical text form of a problem, used as a database key."""
+    import json
+
+    return json.dumps(problem._asdict(), sort_keys=True, separators=(",", ":"))
+
+
+def problem_distance(spec: OpSpec, a: tuple, b: tuple) -> float | None:
+    """Σ |log2(a_i / b_i)| over the size fields, or None when a non-size field differs."""
+    import math
+
+    fields = spec.problem._fields
+    d = 0.0
+    for i, f in enumerate(fields):
+        if f in spec.size_fields:
+            d += abs(math.log2(a[i] / b[i]))
+        elif a[i] != b[i]:
+            return None
+    return d

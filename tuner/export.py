@@ -1,0 +1,87 @@
+"""Export winners as a read-only table file plus a Dockerfile snippet that ships it."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+import kernel_space
+from db import Device, Problem, Winner, open_db
+from kernel_space import OpsAdvError
+from ops_adv._table import FORMAT, FORMAT_VERSION, checksum
+
+TABLE_NAME = "opsadv-table.json"
+
+
+def _rows(device: str, db_url: str):
+    engine = open_db(db_url, migrate=False)
+    with Session(engine) as s:
+        rows = s.execute(
+            select(Winner, Problem, Device)
+            .join(Problem, Winner.problem_id == Problem.id)
+            .outerjoin(Device, Winner.device_id == Device.id)
+            .where(Winner.device_class == device)
+            .order_by(Problem.op, Problem.key)
+        ).all()
+    return rows
+
+
+def winners_of(device: str, db_url: str) -> list[dict]:
+    return [_winner_dict(w, p) for w, p, _ in _rows(device, db_url)]
+
+
+def _winner_dict(w: Winner, p: Problem) -> dict:
+    return {
+        "op": p.op, "problem": json.loads(p.key), "impl": w.impl, "params": w.params, "kernel_version": w.kernel_version,
+        "median_ms": w.median_ms, "spread_ms": w.spread_ms, "vendor_impl": w.vendor_impl, "vendor_ms": w.vendor_ms,
+        "speedup": w.speedup, "trials": w.trials,
+    }
+
+
+def export(device: str, out_dir: str, db_url: str) -> tuple[Path, Path, int]:
+    rows = _rows(device, db_url)
+    if not rows:
+        raise OpsAdvError(f"the database has no winners for {device}; run opsadv-tune --device {device} first")
+    winners, fingerprints, versions = [], {}, {}
+    for w, p, d in rows:
+        winners.append(_winner_dict(w, p))
+        versions[f"{p.op}/{w.impl}"] = w.kernel_version
+        if d is not None:
+            fingerprints[d.fingerprint_hash] = d.fingerprint
+    current = {f"{op}/{i.name}": i.version for op in kernel_space.ops() for i in kernel_space.impls(op)}
+    stale = sorted(k for k, v in versions.items() if current.get(k) != v)
+    if stale:
+        raise OpsAdvError(
+            f"winners for {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''} were tuned with kernels that have changed since; "
+            f"re-run opsadv-tune --device {device} before exporting"
+        )
+    data = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "device_class": device,
+        "fingerprint": next(iter(fingerprints.values())) if len(fingerprints) == 1 else {"machines": list(fingerprints.values())},
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "kernel_versions": versions,
+        "winners": winners,
+        "checksum": checksum(winners),
+    }
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OpsAdvError(f"cannot create output folder {out_dir}: {e.strerror}") from None
+    table, docker = out / TABLE_NAME, out / "Dockerfile.opsadv"
+    tmp = table.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, table)  # atomic: a reader never sees half a table
+    docker.write_text(
+        f"# Tuned kernels for {device} from ops-adv ({len(winners)} problems); add to your image's Dockerfile.\n"
+        f"COPY {TABLE_NAME} /opt/ops-adv/{TABLE_NAME}\n"
+        f"ENV OPS_ADV_TABLE=/opt/ops-adv/{TABLE_NAME}\n"
+    )
+    return table, docker, len(winners)
