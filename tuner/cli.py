@@ -71,6 +71,10 @@ def tune_main(argv: list[str] | None = None) -> int:
             raise OpsAdvError("--ops is empty; name ops such as gemm,attention")
         for op in ops:
             kernel_space.get_op(op)
+        from .driver import SAMPLERS
+
+        if args.sampler not in SAMPLERS:
+            raise OpsAdvError(f"unknown sampler {args.sampler!r}; choose one of {', '.join(SAMPLERS)}")
         if args.trials < 1:
             raise OpsAdvError("--trials must be at least 1")
         if args.shapes:
@@ -85,9 +89,6 @@ def tune_main(argv: list[str] | None = None) -> int:
             trial_timeout_s=args.trial_timeout, sampler=args.sampler, workers=args.workers, ray_address=args.ray_address,
             seed=args.seed, plugins=plugins, command=shlex.join(["opsadv-tune", *(argv if argv is not None else sys.argv[1:])]),
         )
-        from db import redact
-
-        print(f"tuning {len(problems)} problem(s) of {', '.join(ops)} on {args.device} into {redact(opts.db_url)}", file=sys.stderr)
         rows = Tuner(opts).run()
         print(format_table(rows))
         return 0

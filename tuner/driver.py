@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 import kernel_space
-from db import Device, Problem, Run, Trial, Winner, normalize, open_db
+from db import Device, Problem, Run, Trial, Winner, normalize, open_db, redact
 from db.models import utcnow
 from kernel_space import OpsAdvError, get_op, impls, problem_distance, problem_key
 from workers.measure import OK, PRUNED
@@ -132,6 +132,8 @@ class Tuner:
         kw = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
         self.storage = optuna.storages.RDBStorage(url, engine_kwargs=kw)
         placement = check_device(o.device, o.ray_address is not None)
+        ops = ", ".join(dict.fromkeys(op for op, _ in o.problems))
+        self.log(f"tuning {len(o.problems)} problem(s) of {ops} on {o.device} into {redact(o.db_url)}")
         owned = start_ray(o.ray_address, num_cpus=None)
         try:
             n = o.workers or placement.count()
@@ -165,7 +167,8 @@ class Tuner:
         t0 = time.monotonic()
         try:
             self._loop(tasks, t0)
-            status = "finished" if all(t.state == "done" for t in tasks) else "interrupted"
+            complete = all(t.state == "done" and t.asked >= t.budget for t in tasks)
+            status = "finished" if complete else "interrupted"
         except KeyboardInterrupt:
             status = "interrupted"
             raise

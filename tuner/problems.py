@@ -39,6 +39,7 @@ def load_shapes(path: str, ops: list[str]) -> list[tuple[str, Any]]:
     entries: list[tuple[str, Any]] = []
     if isinstance(data, dict):
         for op, items in data.items():
+            get_op(op)
             if not isinstance(items, list):
                 raise ShapesFileError(f"shapes file {path}: '{op}' must map to a list of problems")
             entries += [(op, item) for item in items]

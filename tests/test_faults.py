@@ -1,0 +1,57 @@
+"""Every fault class a kernel can cause is a recorded trial, and the run goes on."""
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+import db
+import kernel_space
+from kernel_space import get_op
+from tuner import TuneOptions, Tuner
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def faulty():
+    import plugins.faulty as mod
+
+    yield mod
+    for name in mod.FAULTY:
+        kernel_space.unregister_impl("gemm", name)
+
+
+def test_wrong_exception_hang_and_crash_are_recorded(ray_session, sqlite_url, faulty):
+    problem = get_op("gemm").problem(48, 48, 48)
+    opts = TuneOptions(
+        device="cpu", problems=[("gemm", problem)], db_url=sqlite_url, sampler="grid", trial_timeout_s=8,
+        plugins=["plugins.faulty"], log=lambda s: None,
+    )
+    rows = Tuner(opts).run()
+    assert len(rows) == 1 and rows[0]["impl"] not in faulty.FAULTY
+    with Session(db.open_db(sqlite_url)) as s:
+        trials = s.scalars(select(db.Trial)).all()
+        run = s.scalars(select(db.Run)).one()
+    by_impl: dict[str, list] = {}
+    for t in trials:
+        by_impl.setdefault(t.impl, []).append(t)
+    expect = {"fault_wrong": "wrong_result", "fault_raise": "runtime_error", "fault_hang": "timeout", "fault_crash": "crashed"}
+    for impl, status in expect.items():
+        got = by_impl[impl]
+        assert len(got) == 1, f"{impl} measured {len(got)} times"  # a crash is not retried
+        assert got[0].status == status and got[0].error, (impl, got[0].status, got[0].error)
+    assert "relative error" in by_impl["fault_wrong"][0].error
+    assert "deliberate failure" in by_impl["fault_raise"][0].error
+    # the good configurations after the faults were still measured
+    assert sum(t.status == "ok" for t in by_impl["cpu_blocked"]) > 5
+    assert run.status == "finished"
+
+
+def test_trial_classification():
+    from workers.measure import classify
+
+    assert classify(RuntimeError("CUDA error: an illegal memory access was encountered")) == ("runtime_error", True)
+    assert classify(type("OutOfResources", (Exception,), {})("out of resource: shared memory")) == ("out_of_resources", False)
+    assert classify(type("CompilationError", (Exception,), {})("bad")) == ("compile_error", False)
+    assert classify(ValueError("x")) == ("runtime_error", False)
