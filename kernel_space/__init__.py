@@ -21,6 +21,8 @@ from ._registry import (
 )
 from ._common import relative_error
 from . import gemm, attention  # noqa: F401  (registers the ops)
+from . import norm, softmax, conv2d  # noqa: F401
+from . import gemm_triton, attention_triton  # noqa: F401
 
 __all__ = [
     "Impl",

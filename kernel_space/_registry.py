@@ -102,13 +102,15 @@ class Impl:
 
     @functools.cached_property
     def version(self) -> str:
-        """Hash of the implementation's module source and its parameter space."""
+        """Hash of the source this implementation runs and of its parameter space.
+
+        The registering module and the package modules it imports (one level: kernel
+        modules loaded lazily, shared checks) are hashed, so editing a kernel makes its
+        stored winners stale.
+        """
         h = hashlib.sha256()
-        mod = sys.modules.get(self.module)
-        path = getattr(mod, "__file__", None)
-        if path:
-            with open(path, "rb") as f:
-                h.update(f.read())
+        for text in _sources(self.module):
+            h.update(text)
         h.update(repr((self.op, self.name, sorted((k, tuple(v)) for k, v in self.space.items()))).encode())
         return h.hexdigest()[:16]
 
@@ -133,6 +135,33 @@ class Impl:
 
     def bind(self, params: Params) -> Callable[..., Any]:
         return functools.partial(self.fn, **params) if params else self.fn
+
+
+@functools.lru_cache(maxsize=None)
+def _sources(module: str) -> tuple[bytes, ...]:
+    import os
+    import re
+
+    mod = sys.modules.get(module)
+    path = getattr(mod, "__file__", None)
+    if not path:
+        return ()
+    with open(path, "rb") as f:
+        main = f.read()
+    folder = os.path.dirname(path)
+    names = set()
+    for m in re.finditer(rb"^\s*from \.(\w*) import ([\w, ]+)", main, re.MULTILINE):
+        if m.group(1):
+            names.add(m.group(1).decode())
+        else:
+            names.update(n.strip() for n in m.group(2).decode().split(",") if n.strip())
+    out = [main]
+    for name in sorted(names):
+        p = os.path.join(folder, name + ".py")
+        if os.path.exists(p):
+            with open(p, "rb") as f:
+                out.append(f.read())
+    return tuple(out)
 
 
 _OPS: dict[str, OpSpec] = {}

@@ -155,6 +155,7 @@ class Tuner:
         if info["device_class"] != o.device:
             raise OpsAdvError(f"the workers run on {info['fingerprint'].get('name')} ({info['device_class']}), not {o.device}")
         fp = info["fingerprint"]
+        tasks = self._make_tasks(fp)
         fp_hash = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
         with Session(self.engine) as s:
             self.device_id = _upsert(s, Device, {"fingerprint_hash": fp_hash}, {"device_class": o.device, "fingerprint": fp}).id
@@ -162,7 +163,6 @@ class Tuner:
             s.add(run)
             s.commit()
             self.run_id = run.id
-        tasks = self._make_tasks()
         status = "failed"
         t0 = time.monotonic()
         try:
@@ -180,9 +180,17 @@ class Tuner:
                 s.commit()
         return self.summary()
 
-    def _make_tasks(self) -> list[Task]:
+    def _make_tasks(self, fingerprint: dict) -> list[Task]:
         o = self.o
         tasks = []
+        mem = fingerprint.get("memory_bytes")
+        for op, problem in o.problems:
+            need = 3 * get_op(op).bytes_moved(problem)  # inputs, output and the reference
+            if mem and need > 0.9 * mem:
+                raise OpsAdvError(
+                    f"{op} {problem_key(problem)} needs about {need / 2**30:.1f} GiB, more than the "
+                    f"{mem / 2**30:.0f} GiB of {fingerprint.get('name')}; drop it from the shapes file"
+                )
         for op, problem in o.problems:
             tunables = [i for i in impls(op, backend=self.backend) if not i.vendor and not i.unavailable]
             vendors = [i for i in impls(op, backend=self.backend) if i.vendor and i.why_not(problem, backend=self.backend) is None]

@@ -1,0 +1,103 @@
+"""What the row-wise ops (layer_norm, rms_norm, softmax) share: problems, Triton space, checks, launch geometry.
+
+Needs no triton: the kernels themselves live in `_triton_norm_kernels` and `_triton_softmax_kernels`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ._common import ITEMSIZE, pow2_at_least
+
+# One program normalises a ROWS_PER_PROGRAM x BLOCK_N tile. BLOCK_N 0 holds the whole row in
+# registers (the next power of two: one read of x); a BLOCK_N shorter than the row loops over
+# column blocks (two reads, the second mostly from L2). PROGRAMS_PER_SM > 0 launches a persistent
+# grid that loops over row tiles (weights loaded once, the next tile's loads pipelined by
+# num_stages); 0 launches one program per row tile.
+SPACE: dict[str, tuple] = {
+    "BLOCK_N": (0, 512, 1024, 2048, 4096, 8192, 16384),
+    "ROWS_PER_PROGRAM": (1, 2, 4, 8, 16),
+    "PROGRAMS_PER_SM": (0, 1, 2, 4, 8),
+    "num_warps": (8, 1, 2, 4, 16, 32),
+    "num_stages": (1, 2, 3, 4),
+}
+
+_MIN_BYTES_PER_THREAD = 16  # one 128-bit load each; fewer means idle or replicated threads
+_MAX_FP32_PER_THREAD = 64  # the tile lives in fp32 registers; beyond this ptxas spills
+# Pipelined loads stage through shared memory: num_stages - 1 tiles (Triton 3.9 for sm_90,
+# compiled offline); H100/H200 give a block 227 KiB, and the reductions take a little.
+_SMEM_BYTES = 200 << 10
+_WARPS_PER_SM = 64
+
+
+def check(p: Any, c) -> str | None:
+    """Why a Triton row-wise config cannot or should not run problem `p`, or None."""
+    bn, rpp, warps, stages, pps = (
+        c["BLOCK_N"], c["ROWS_PER_PROGRAM"], c["num_warps"], c["num_stages"], c["PROGRAMS_PER_SM"],
+    )
+    if bn >= p.cols:
+        return f"BLOCK_N {bn} covers the {p.cols}-column row: BLOCK_N 0 is that single pass"
+    bn = block_n(bn, p.cols)
+    if rpp > pow2_at_least(p.rows, 1):
+        return f"ROWS_PER_PROGRAM {rpp} exceeds the {p.rows} rows"
+    tile, threads = rpp * bn, 32 * warps
+    if tile * ITEMSIZE[p.dtype] < _MIN_BYTES_PER_THREAD * threads:
+        return f"a {rpp}x{bn} {p.dtype} tile gives each of {threads} threads under {_MIN_BYTES_PER_THREAD} bytes"
+    if tile > _MAX_FP32_PER_THREAD * threads:
+        return f"a {rpp}x{bn} tile needs over {_MAX_FP32_PER_THREAD} fp32 registers a thread with {warps} warps"
+    if pps * warps > _WARPS_PER_SM:
+        return f"{pps} programs of {warps} warps do not fit on one SM ({_WARPS_PER_SM} warps): not persistent"
+    if stages > 1:
+        if bn >= p.cols and not pps:
+            return "num_stages pipelines a loop; a single-pass, non-persistent program has none"
+        if (stages - 1) * tile * ITEMSIZE[p.dtype] > _SMEM_BYTES:
+            return f"{stages} stages of a {rpp}x{bn} tile need over {_SMEM_BYTES >> 10} KiB shared memory"
+    return None
+
+
+def block_n(bn: int, cols: int) -> int:
+    """The column block a BLOCK_N choice means for rows of `cols`."""
+    return bn or pow2_at_least(cols)
+
+
+def default_problems(problem: type, device_class: str) -> list:
+    if device_class == "cpu":
+        return [problem(256, 1024), problem(1024, 768), problem(64, 4096)]
+    # At least 8M elements each, so the GPU runs at steady-state bandwidth.
+    return [
+        problem(4096, 4096, "bf16"),
+        problem(2048, 8192, "bf16"),
+        problem(1024, 16384, "bf16"),
+        problem(8192, 8192, "bf16"),
+        problem(4096, 4096, "fp16"),
+        problem(1024, 16384, "fp16"),
+        problem(4096, 4096, "fp32"),
+    ]
+
+
+def rows_view(x: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x as rows x cols with unit column stride, out as rows x cols, out as returned)."""
+    cols = x.shape[-1]
+    x2 = x.reshape(-1, cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    return x2, y.view(-1, cols), y
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def grid(rows: int, rows_per_program: int, programs_per_sm: int, device: torch.device) -> tuple[int]:
+    tiles = -(-rows // rows_per_program)
+    if not programs_per_sm:
+        return (tiles,)
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = 2  # the interpreter: still loop over several tiles per program
+    return (min(tiles, programs_per_sm * sms),)

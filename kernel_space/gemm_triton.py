@@ -1,0 +1,132 @@
+"""gemm on CUDA through Triton: a tiled tensor-core kernel, grouped tile order, optional split-K.
+
+The kernels live in `_triton_gemm_kernels` and load on first call, so this module (and
+its parameter space and check) imports without triton.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ._common import ITEMSIZE, pow2_at_least
+from ._registry import register_impl
+from .gemm import GemmProblem
+
+if TYPE_CHECKING:
+    import torch
+
+# H100/H200 give a block up to 227 KiB of shared memory; 3 KiB stay spare for anything
+# the compiler adds (Triton 3.9 adds nothing to these kernels). A100 (163 KiB) fails the rest.
+SMEM_BUDGET = 224 * 1024
+# Register budgets per thread, from sm_90 builds with Triton 3.9. Accumulator: 128x256 tiles
+# take 208 registers with 8 warps, but spill 736 bytes with 4 (256 accumulator registers).
+# mma.sync also holds its operand tiles in registers: estimates up to ~200 built without
+# spills, 320 and more spilled 250-450 bytes.
+MAX_ACC_REGS = 128
+MAX_MMA_SYNC_REGS = 240
+
+SPACE: dict[str, tuple] = {
+    # Large tiles (128x256x64, 8 warps, 3 stages; 128x128x64, 4 stages) are where Triton
+    # gets close to cuBLAS on Hopper; 16..64-row tiles, deep BLOCK_K and SPLIT_K are for
+    # decode shapes (M <= 64), which are bound by reading B and need many CTAs in flight.
+    "BLOCK_M": (128, 16, 32, 64, 256),
+    "BLOCK_N": (128, 32, 64, 256),
+    "BLOCK_K": (64, 32, 128, 256, 512),
+    "GROUP_M": (8, 1, 4, 16),
+    "num_warps": (8, 4, 2),
+    "num_stages": (3, 2, 4, 5),
+    "SPLIT_K": (1, 2, 4, 8),
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def warpgroup_mma(block_m: int, num_warps: int) -> bool:
+    """Whether Triton lowers this tile's dots to Hopper warpgroup MMA rather than mma.sync.
+
+    Warpgroup MMA needs whole warpgroups (4 warps) of 64 rows; every sm_90 build of these
+    kernels followed this rule.
+    """
+    return num_warps % 4 == 0 and block_m >= 64
+
+
+def smem_buffers(num_stages: int, wgmma: bool) -> int:
+    """Tile buffers a `num_stages` pipeline allocates (as Triton 3.9 reports for sm_90).
+
+    Warpgroup MMA reads operands from shared memory while the next loads land: one buffer
+    per stage. mma.sync copies operands to registers first, which frees a buffer.
+    """
+    return num_stages if wgmma else max(1, num_stages - 1)
+
+
+def smem_bytes(p: GemmProblem, c: Mapping[str, Any]) -> int:
+    """Shared memory the pipelined A and B tiles take."""
+    buffers = smem_buffers(c["num_stages"], warpgroup_mma(c["BLOCK_M"], c["num_warps"]))
+    return buffers * (c["BLOCK_M"] * c["BLOCK_K"] + c["BLOCK_K"] * c["BLOCK_N"]) * ITEMSIZE[p.dtype]
+
+
+def check(p: GemmProblem, c: Mapping[str, Any]) -> str | None:
+    """Why configuration `c` is not worth compiling for `p`, or None."""
+    if p.dtype not in ITEMSIZE:
+        return f"dtype {p.dtype} is not supported"
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    warps, split, group = c["num_warps"], c["SPLIT_K"], c["GROUP_M"]
+    for name, block, dim in (("BLOCK_M", bm, p.M), ("BLOCK_N", bn, p.N), ("BLOCK_K", bk, p.K)):
+        if block > pow2_at_least(dim):
+            return f"{name} {block} is larger than {name[-1]}={dim} needs"
+    tiles_m = _cdiv(p.M, bm)
+    if split > 1:
+        # An H100 has 132 SMs: split K only where the output tiles alone cannot fill it.
+        tiles = tiles_m * _cdiv(p.N, bn)
+        if p.M > 64 and tiles > 128:
+            return f"SPLIT_K is for M <= 64 or at most 128 output tiles, not M={p.M} with {tiles} tiles"
+        if _cdiv(p.K, split) < bk:
+            return f"SPLIT_K {split} leaves less than BLOCK_K={bk} of K={p.K} per split"
+    smaller = [g for g in SPACE["GROUP_M"] if g < group]
+    if smaller and tiles_m <= max(smaller):
+        # A duplicate: with this few rows of tiles, the launch order is the same.
+        return f"GROUP_M {group} orders {tiles_m} rows of tiles as GROUP_M {max(smaller)} does"
+    threads = 32 * warps
+    if bm * bn < 4 * threads:
+        return f"a {bm}x{bn} tile leaves some of {warps} warps without a 16x8 MMA tile"
+    smem = smem_bytes(p, c)
+    if smem > SMEM_BUDGET:
+        return f"{c['num_stages']} stages of {bm}x{bk} and {bk}x{bn} tiles need {smem // 1024} KiB of shared memory (budget {SMEM_BUDGET // 1024} KiB)"
+    if bm * bn > MAX_ACC_REGS * threads:
+        return f"a {bm}x{bn} accumulator needs {bm * bn // threads} registers per thread with {warps} warps (at most {MAX_ACC_REGS})"
+    if not warpgroup_mma(bm, warps):
+        regs = (bm * bn + (bm * bk + bk * bn) * ITEMSIZE[p.dtype] // 4) // threads
+        if regs > MAX_MMA_SYNC_REGS:
+            return f"mma.sync holds the accumulator and {bm}x{bk}, {bk}x{bn} operand tiles in about {regs} registers per thread with {warps} warps (at most {MAX_MMA_SYNC_REGS})"
+    return None
+
+
+_kernels: Any = None
+
+
+def _load_kernels() -> Any:
+    """Import the Triton kernels on first use (a cached global: the import statement costs µs per call)."""
+    global _kernels
+    from . import _triton_gemm_kernels
+
+    _kernels = _triton_gemm_kernels
+    return _kernels
+
+
+@register_impl("gemm", name="triton", priority=50, backends=("cuda",), space=SPACE, check=check, requires=("triton",))
+def triton_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    BLOCK_M: int = 128,
+    BLOCK_N: int = 128,
+    BLOCK_K: int = 64,
+    GROUP_M: int = 8,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    SPLIT_K: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """C = A @ B for fp16/bf16/fp32 (tf32 products) with any strides; `out` receives C if given."""
+    return (_kernels or _load_kernels()).gemm(a, b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, out=out)
