@@ -10,6 +10,8 @@ from kernel_space.norm import LayerNormProblem, RmsNormProblem
 from kernel_space.softmax import SoftmaxProblem
 
 ROWWISE = {"layer_norm": LayerNormProblem, "rms_norm": RmsNormProblem, "softmax": SoftmaxProblem}
+# Triton kernels run on the GPU where there is one, else on the CPU under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = {"layer_norm": "triton_layer_norm", "rms_norm": "triton_rms_norm", "softmax": "triton_softmax"}
 
 
@@ -34,10 +36,10 @@ ROWWISE_CASES = {
 def _run_checked(op: str, impl_name: str, problem, params: dict):
     spec, impl = get_op(op), get_impl(op, impl_name)
     assert impl.check(problem, params) is None, (problem, params)
-    args, attrs = spec.make_inputs(problem, "cpu", seed=3)
+    args, attrs = spec.make_inputs(problem, DEVICE, seed=3)
     assert tuple(spec.signature(*args, **attrs)) == tuple(problem)
     ref = spec.reference(*args, **attrs)
-    out = torch.full(ref.shape, float("nan"), dtype=args[0].dtype)
+    out = torch.full(ref.shape, float("nan"), dtype=args[0].dtype, device=DEVICE)
     got = impl.fn(*args, **attrs, **params, out=out)
     assert got is out
     err = relative_error(out, ref)
@@ -56,8 +58,8 @@ def test_rowwise_triton(op, dtype):
 def test_layer_norm_triton_without_bias_and_leading_dims():
     pytest.importorskip("triton")
     spec = get_op("layer_norm")
-    x = torch.randn(2, 3, 200)
-    w, b = torch.randn(200), torch.randn(200)
+    x = torch.randn(2, 3, 200, device=DEVICE)
+    w, b = torch.randn(200, device=DEVICE), torch.randn(200, device=DEVICE)
     assert spec.signature(x, w, None) == (6, 200, "fp32")
     fn = get_impl("layer_norm", "triton_layer_norm").fn
     for bias in (None, b):
@@ -86,12 +88,12 @@ def test_conv2d_triton(caller, dtype):
         for layout in ("nhwc", "nchw"):
             params = {**CONV_CFG, "layout": layout}
             assert impl.check(problem, params) is None, (problem, params)
-            args, attrs = spec.make_inputs(problem, "cpu", seed=5)
+            args, attrs = spec.make_inputs(problem, DEVICE, seed=5)
             assert spec.signature(*args, **attrs) == tuple(problem)
             ref = spec.reference(*args, **attrs)
             # Poison an output whose memory format differs from the kernel's: strides must be honoured.
             fmt = torch.contiguous_format if layout == "nhwc" else torch.channels_last
-            out = torch.full(ref.shape, float("nan"), dtype=args[0].dtype).contiguous(memory_format=fmt)
+            out = torch.full(ref.shape, float("nan"), dtype=args[0].dtype, device=DEVICE).contiguous(memory_format=fmt)
             impl.fn(*args, **attrs, **params, out=out)
             err = relative_error(out, ref)
             assert err <= spec.tolerance(dtype), (problem, layout, err)

@@ -1,4 +1,4 @@
-"""A pool of measuring actors: one per device, replaced when a kernel hangs or kills one."""
+"""A pool of measuring actors: one per device, replaced when a kernel hangs or kills one, or its node leaves."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,8 @@ from kernel_space import OpsAdvError
 from workers.actor import make_actor_class
 from workers.measure import CRASHED, TIMEOUT
 
+NODE_LOST = "node_lost"  # the actor's node left the cluster: not the job's fault, run it again (never a trial status)
+
 
 class ClusterError(OpsAdvError):
     pass
@@ -25,21 +27,29 @@ class Slot:
     info: dict = field(default_factory=dict)
     job: Any = None
     ref: Any = None
+    call: tuple = ()  # (method, args, timeout_s) of the job, to run it again elsewhere
     started: float = 0.0
     timeout: float = 0.0
     restarts: int = 0
     busy_s: float = 0.0
+    jobs: int = 0
 
 
 class Pool:
     """Runs jobs on actors; a job is (method, args, timeout_s); results come back via `poll`."""
 
-    def __init__(self, device: str, n: int, *, accelerator_type: str | None, plugins: list[str], start_timeout_s: float = 120) -> None:
+    def __init__(
+        self, device: str, n: int, *, accelerator_type: str | None, plugins: list[str], start_timeout_s: float = 120,
+        node_grace_s: float = 30,
+    ) -> None:
         self.device = device
+        self.accelerator_type = accelerator_type
         self.cls = make_actor_class(device, accelerator_type)
         self.plugins = plugins
         self.start_timeout_s = start_timeout_s
+        self.node_grace_s = node_grace_s  # how long the GCS may take to mark a silent node dead
         self.slots = [Slot(i) for i in range(n)]
+        self.lost: list[Slot] = []  # slots dropped when their node left and no other node had room
         for s in self.slots:
             self._start(s)
 
@@ -68,14 +78,19 @@ class Pool:
         return [s for s in self.slots if s.job is None]
 
     def submit(self, slot: Slot, job: Any, method: str, args: tuple, timeout_s: float) -> None:
-        slot.job, slot.started, slot.timeout = job, time.monotonic(), timeout_s
+        slot.job, slot.started, slot.timeout, slot.call = job, time.monotonic(), timeout_s, (method, args, timeout_s)
         slot.ref = getattr(slot.actor, method).remote(*args)
 
     def busy(self) -> bool:
         return any(s.job is not None for s in self.slots)
 
     def poll(self, wait_s: float = 0.2) -> list[tuple[Any, dict | None, str | None]]:
-        """Finished jobs as (job, result, failure) where failure is 'timeout' or 'crashed' with the result None."""
+        """Finished jobs as (job, result, failure).
+
+        failure is None, 'timeout' or 'crashed' (result {"error": ...}), or NODE_LOST when the actor went with its
+        node: result {"error": what happened to the worker, "retry": (method, args, timeout_s)} to submit again.
+        Raises ClusterError when no worker is left.
+        """
         active = [s for s in self.slots if s.job is not None]
         if not active:
             return []
@@ -88,19 +103,96 @@ class Pool:
                 try:
                     res, fail = ray.get(s.ref), None
                 except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-                    res, fail = {"error": f"worker crashed: {str(e).strip().splitlines()[0][:300]}"}, CRASHED
-                    self.restart(s)
+                    if self._node_lost(s, e):
+                        res, fail = self._replace_lost(s), NODE_LOST
+                    else:
+                        res, fail = {"error": f"worker crashed: {str(e).strip().splitlines()[0][:300]}"}, CRASHED
+                        self.restart(s)
                 if fail is None and res.get("context_lost"):
                     self.restart(s)  # a dead CUDA context poisons every later launch
             elif now - s.started > s.timeout:
-                res, fail = {"error": f"no result after {s.timeout:.0f} s; worker killed"}, TIMEOUT
-                self.restart(s)
+                if not self._node_alive(s):
+                    res, fail = self._replace_lost(s), NODE_LOST
+                else:
+                    res, fail = {"error": f"no result after {s.timeout:.0f} s; worker killed"}, TIMEOUT
+                    self.restart(s)
             else:
                 continue
             s.busy_s += now - s.started
+            s.jobs += 1
             done.append((s.job, res, fail))
             s.job = s.ref = None
+        if not self.slots:
+            raise ClusterError(
+                "every measuring worker's node left the Ray cluster; finished trials are stored: "
+                "bring nodes back and re-run the same command to resume"
+            )
         return done
+
+    # ---- node loss ----------------------------------------------------------------------------
+    def _node_alive(self, slot: Slot) -> bool:
+        """Whether the GCS still lists the node of the slot's actor as alive (True when the GCS cannot say)."""
+        node = slot.info.get("node")
+        try:
+            nodes = ray.nodes()
+        except Exception:
+            return True
+        return any(n.get("NodeID") == node and n.get("Alive") for n in nodes)
+
+    def _node_lost(self, slot: Slot, err: Exception) -> bool:
+        """Did the actor die with its node, rather than by the kernel it ran?
+
+        A kernel that kills its worker gives ActorDiedError at once, its node still alive.  A lost node gives
+        ActorDiedError saying so, or (when the worker's connection broke before the GCS noticed) ActorUnavailableError;
+        the GCS marks a silent node dead only after missed health checks, so that case waits up to node_grace_s.
+        """
+        if "its node has died" in str(err):
+            return True
+        grace = self.node_grace_s if isinstance(err, ray.exceptions.ActorUnavailableError) else 0.0
+        deadline = time.monotonic() + grace
+        while True:
+            if not self._node_alive(slot):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+    def _has_room(self) -> bool:
+        """Whether the cluster has the resources of one more measuring actor."""
+        need = {"CPU": 1.0} if self.device == "cpu" else {"CPU": 1.0, "GPU": 1.0}
+        if self.device != "cpu" and self.accelerator_type:
+            need[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        try:
+            free = ray.available_resources()
+        except Exception:
+            return False
+        return all(free.get(k, 0.0) >= v for k, v in need.items())
+
+    def _replace_lost(self, slot: Slot) -> dict:
+        """The slot's node is gone: start its actor on a surviving node, or drop the slot if none has room."""
+        what = f"worker {slot.index} lost with its node {str(slot.info.get('node'))[:12]}"
+        retry = {"retry": slot.call}
+        if self._has_room():
+            try:
+                self.restart(slot)
+                return {"error": f"{what}; replaced on node {str(slot.info.get('node'))[:12]}", **retry}
+            except ClusterError:
+                pass
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except Exception:
+            pass
+        self.slots.remove(slot)
+        self.lost.append(slot)
+        return {"error": f"{what}; no node has room for another, going on with {len(self.slots)} worker(s)", **retry}
+
+    def stats(self) -> list[dict]:
+        """Per slot: its node, seconds busy with jobs, jobs finished (any outcome), actor restarts, whether it was lost."""
+        return [
+            {"slot": s.index, "node": s.info.get("node"), "busy_s": round(s.busy_s, 3), "jobs": s.jobs, "restarts": s.restarts,
+             "lost": s in self.lost}
+            for s in sorted(self.slots + self.lost, key=lambda s: s.index)
+        ]
 
     def shutdown(self) -> None:
         for s in self.slots:

@@ -54,6 +54,8 @@ def tune_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray-address", help="join this Ray cluster (default: RAY_ADDRESS, else a local instance)")
     ap.add_argument("--sampler", default="tpe", help="tpe (default), random or grid (exhaustive)")
     ap.add_argument("--workers", type=int, help="measuring actors (default: one per GPU; one for cpu)")
+    ap.add_argument("--impls", help="comma-separated implementations to search (default: every one for the device)")
+    ap.add_argument("--measure-budget", type=float, help="seconds of timing per trial (default 0.3 on cpu, 0.1 on GPUs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plugin", action="append", default=[], help="module registering extra implementations (repeatable)")
     args = ap.parse_args(argv)
@@ -87,7 +89,8 @@ def tune_main(argv: list[str] | None = None) -> int:
         opts = TuneOptions(
             device=args.device, problems=problems, db_url=args.db or _db_default(), trials=args.trials, timeout_s=args.timeout,
             trial_timeout_s=args.trial_timeout, sampler=args.sampler, workers=args.workers, ray_address=args.ray_address,
-            seed=args.seed, plugins=plugins, command=shlex.join(["opsadv-tune", *(argv if argv is not None else sys.argv[1:])]),
+            seed=args.seed, plugins=plugins, only_impls=[i.strip() for i in (args.impls or "").split(",") if i.strip()],
+            measure_budget_s=args.measure_budget or (0.3 if args.device == "cpu" else 0.1), command=shlex.join(["opsadv-tune", *(argv if argv is not None else sys.argv[1:])]),
         )
         rows = Tuner(opts).run()
         print(format_table(rows))

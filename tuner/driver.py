@@ -21,10 +21,13 @@ from db.models import utcnow
 from kernel_space import OpsAdvError, get_op, impls, problem_distance, problem_key
 from workers.measure import OK, PRUNED
 
-from ._pool import Pool, start_ray
+from ._pool import NODE_LOST, Pool, start_ray
 from .devices import check_device
 
 SAMPLERS = ("tpe", "random", "grid")
+# Invalid configurations are refused before compiling and do not count against --trials;
+# a problem stops after this many times its budget of them (a space mostly invalid for it).
+MAX_PRUNED = 40
 
 
 @dataclass
@@ -42,6 +45,7 @@ class TuneOptions:
     plugins: list[str] = field(default_factory=list)
     measure_budget_s: float = 0.3
     finalists: int = 3
+    only_impls: list[str] = field(default_factory=list)  # search only these (vendors are always measured)
     warm_start: bool = True
     command: str = ""
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
@@ -60,13 +64,14 @@ class Task:
     vendors: deque
     seeds: deque
     budget: int
-    asked: int = 0
+    asked: int = 0  # configurations measured or answered from an earlier measurement (the budget)
     in_flight: int = 0
     results: list[dict] = field(default_factory=list)  # ok results: impl, params, vendor, median_ms, spread_ms
     seen: dict[str, tuple[str, float | None]] = field(default_factory=dict)
     failures: int = 0
     pruned: int = 0
     state: str = "search"  # search -> confirm -> done
+    requeued: deque = field(default_factory=deque)  # jobs lost with a worker's node: handed out again first, still in_flight
 
     @property
     def label(self) -> str:
@@ -116,11 +121,15 @@ def _upsert(session: Session, model: type, where: dict, values: dict | None = No
 
 class Tuner:
     def __init__(self, opts: TuneOptions) -> None:
+        for name in opts.only_impls:
+            if not any(name == i.name for op in {op for op, _ in opts.problems} for i in impls(op)):
+                raise OpsAdvError(f"--impls names {name!r}, which no requested op has")
         if opts.sampler not in SAMPLERS:
             raise OpsAdvError(f"unknown sampler {opts.sampler!r}; choose one of {', '.join(SAMPLERS)}")
         self.o = opts
         self.log = opts.log
         self.backend = "cpu" if opts.device == "cpu" else "cuda"
+        self.stats: dict = {}  # after run(): wall_s and per worker slot busy_s, jobs, restarts (see Pool.stats)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
@@ -139,9 +148,11 @@ class Tuner:
             n = o.workers or placement.count()
             self.log(f"starting {n} measuring worker(s) for {o.device}")
             self.pool = Pool(self.backend, n, accelerator_type=placement.accelerator_type, plugins=o.plugins)
+            t = time.monotonic()
             try:
                 return self._run()
             finally:
+                self.stats = {"wall_s": round(time.monotonic() - t, 3), "workers": self.pool.stats()}
                 self.pool.shutdown()
         finally:
             if owned:
@@ -167,7 +178,7 @@ class Tuner:
         t0 = time.monotonic()
         try:
             self._loop(tasks, t0)
-            complete = all(t.state == "done" and t.asked >= t.budget for t in tasks)
+            complete = all(t.state == "done" and (t.asked >= t.budget or t.pruned >= MAX_PRUNED * max(1, t.budget)) for t in tasks)
             status = "finished" if complete else "interrupted"
         except KeyboardInterrupt:
             status = "interrupted"
@@ -193,6 +204,8 @@ class Tuner:
                 )
         for op, problem in o.problems:
             tunables = [i for i in impls(op, backend=self.backend) if not i.vendor and not i.unavailable]
+            if o.only_impls:
+                tunables = [i for i in tunables if i.name in o.only_impls]
             vendors = [i for i in impls(op, backend=self.backend) if i.vendor and i.why_not(problem, backend=self.backend) is None]
             if not vendors and not tunables:
                 raise OpsAdvError(f"no {op} implementation runs on {o.device}; pick other --ops")
@@ -236,6 +249,9 @@ class Tuner:
             if t.state == TrialState.RUNNING:
                 task.study.tell(t.number, state=TrialState.FAIL)
             elif t.state == TrialState.WAITING:
+                continue
+            elif t.state == TrialState.PRUNED:
+                task.pruned += 1
                 continue
             task.asked += 1
         if rows or task.asked:
@@ -309,10 +325,15 @@ class Tuner:
                 self.log(f"[{time.monotonic() - t0:5.0f}s] {done}/{len(tasks)} problems done, {trials} trials asked")
 
     def _exhausted(self, task: Task, out_of_time: bool) -> bool:
-        return not task.vendors and (out_of_time or (task.asked >= task.budget and not task.seeds))
+        return not task.vendors and (out_of_time or self._spent(task))
+
+    def _spent(self, task: Task) -> bool:
+        return (task.asked >= task.budget or task.pruned >= MAX_PRUNED * max(1, task.budget)) and not task.seeds
 
     def _next_job(self, task: Task, out_of_time: bool):
         o = self.o
+        if task.requeued:
+            return task.requeued.popleft()
         if task.state == "confirm":
             if task.in_flight:
                 return None
@@ -333,7 +354,7 @@ class Tuner:
         if out_of_time:
             return None
         for _ in range(50):  # skip over pruned and duplicate configurations without a worker
-            if task.asked >= task.budget and not task.seeds:
+            if self._spent(task):
                 return None
             if task.seeds:
                 name, params = task.seeds.popleft()
@@ -341,12 +362,13 @@ class Tuner:
                 fixed.update({f"{name}.{k}": v for k, v in params.items()})
                 task.study.enqueue_trial(fixed, skip_if_exists=False)
             trial = task.study.ask()
-            task.asked += 1
             name, params = _suggest(trial, task.tunables)
             impl = kernel_space.get_impl(task.op, name)
             key = _params_key(name, params)
             if key in task.seen:
                 status, value = task.seen[key]
+                task.asked += status != PRUNED
+                task.pruned += status == PRUNED
                 self._tell(task, trial, status, value)
                 continue
             why = impl.why_not(task.problem, params, self.backend)
@@ -357,6 +379,7 @@ class Tuner:
                 self._tell(task, trial, PRUNED, None)
                 continue
             task.in_flight += 1
+            task.asked += 1
             return self._measure_job(task, name, params, trial)
         return None
 
@@ -374,6 +397,10 @@ class Tuner:
 
     def _finish(self, job, res: dict, fail: str | None) -> None:
         kind, task = job[0], job[1]
+        if fail == NODE_LOST:  # not the kernel's doing: the same job (same Optuna trial) runs again, nothing is recorded
+            task.requeued.append((*res["retry"], job))
+            self.log(f"  {task.label}: {res['error']}; running its {kind} job again")
+            return
         task.in_flight -= 1
         if kind == "confirm":
             self._write_winner(task, None if fail else (job[2], res))

@@ -36,10 +36,18 @@ def winners_of(device: str, db_url: str) -> list[dict]:
 
 def _winner_dict(w: Winner, p: Problem) -> dict:
     return {
-        "op": p.op, "problem": json.loads(p.key), "impl": w.impl, "params": w.params, "kernel_version": w.kernel_version,
+        "op": p.op, "problem": _ordered(p.op, json.loads(p.key)), "impl": w.impl, "params": w.params, "kernel_version": w.kernel_version,
         "median_ms": w.median_ms, "spread_ms": w.spread_ms, "vendor_impl": w.vendor_impl, "vendor_ms": w.vendor_ms,
         "speedup": w.speedup, "trials": w.trials,
     }
+
+
+def _ordered(op: str, problem: dict) -> dict:
+    """The problem's fields in its signature's order (the stored key is sorted)."""
+    try:
+        return kernel_space.get_op(op).parse_problem(problem)._asdict()
+    except OpsAdvError:
+        return problem
 
 
 def export(device: str, out_dir: str, db_url: str) -> tuple[Path, Path, int]:

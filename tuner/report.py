@@ -62,5 +62,5 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     ax.set_xlabel("speedup over the best vendor kernel (x)")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
