@@ -130,17 +130,24 @@ def replay(path: str, seeds: int, within: float = 0.02) -> dict:
     for p in probs:
         spec = get_op(p["op"])
         problem = spec.parse_problem(p["problem"])
-        impl = kernel_space.get_impl(p["op"], p["impl"])
+        import dataclasses
+
+        full = kernel_space.get_impl(p["op"], p["impl"])
+        red = data["reduced_spaces"].get(p["op"], {})
+        # the search runs over the reduced space the sweep measured, as opsadv-tune runs over the full one
+        impl = dataclasses.replace(full, space={k: tuple(c for c in v if c in red[k]) if k in red else v for k, v in full.space.items()})
         table = {_key(c["params"]): c for c in p["configs"]}
         ok_times = [c["median_ms"] for c in p["configs"] if c["status"] == "ok"]
         best = min(ok_times)
         sweep_cost = sum(c["cost_s"] for c in p["configs"])
         # the nearest other problems of the same op, as opsadv-tune's warm start picks them
-        near = sorted(
-            (problem_distance(spec, tuple(problem), tuple(spec.parse_problem(q["problem"]))), best_cfg[id(q)])
-            for q in probs if q is not p and q["op"] == p["op"]
-        )
-        seeds_cfg = [cfg for d, cfg in near if d is not None][:3]
+        near = []
+        for q in probs:
+            if q is not p and q["op"] == p["op"]:
+                d = problem_distance(spec, tuple(problem), tuple(spec.parse_problem(q["problem"])))
+                if d is not None:
+                    near.append((d, best_cfg[id(q)]))
+        seeds_cfg = [cfg for _, cfg in sorted(near, key=lambda x: x[0])][:3]
         row = {"op": p["op"], "problem": p["problem"], "space": len(p["configs"]), "sweep_s": sweep_cost, "best_ms": best}
         for mode in ("tpe_warm", "tpe", "random"):
             evals, walls = [], []
