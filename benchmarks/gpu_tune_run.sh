@@ -2,7 +2,7 @@
 # The GPU tuning run in one device call: CUDA fault demonstration, a full tune of the six ops,
 # export, report, and the dispatcher against the vendor kernels through the exported table.
 #   carry [".whl"]; bash benchmarks/gpu_tune_run.sh OUTDIR [TRIALS] [TIMEOUT_S]
-# A database from an earlier call at benchmarks/results/h200-tuning.db is resumed.
+# A database from an earlier call at .gpu/h200-tuning.db (carried) is resumed.
 set -u
 OUT=${1:?output folder}; TRIALS=${2:-12}; TIMEOUT=${3:-360}
 export PYTHONUNBUFFERED=1 RAY_DISABLE_USAGE_STATS=1
@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
 mkdir -p "$OUT"
 DB=/tmp/h200-tuning.db
-[ -f benchmarks/results/h200-tuning.db ] && cp benchmarks/results/h200-tuning.db $DB
+[ -f .gpu/h200-tuning.db ] && cp .gpu/h200-tuning.db $DB
 echo "== CUDA faults: out-of-bounds and spinning kernels"
 python3 -m tuner tune --device h200 --ops gemm --shapes benchmarks/shapes/cuda_faults.yaml --impls fault_oob,fault_spin \
   --sampler grid --plugin plugins.faulty_cuda --trial-timeout 20 --db sqlite:////tmp/faults.db 2>&1 | grep -v "^\s*$" | tail -12

@@ -20,7 +20,7 @@ class ClusterError(OpsAdvError):
     pass
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself: list.remove and `in` go by identity
 class Slot:
     index: int
     actor: Any = None
@@ -40,7 +40,7 @@ class Pool:
 
     def __init__(
         self, device: str, n: int, *, accelerator_type: str | None, plugins: list[str], start_timeout_s: float = 120,
-        node_grace_s: float = 30,
+        node_grace_s: float = 60,
     ) -> None:
         self.device = device
         self.accelerator_type = accelerator_type
@@ -94,7 +94,10 @@ class Pool:
         active = [s for s in self.slots if s.job is not None]
         if not active:
             return []
-        ready, _ = ray.wait([s.ref for s in active], num_returns=len(active), timeout=wait_s)
+        refs = [s.ref for s in active]
+        ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s)  # back as soon as one worker is free
+        if ready and len(refs) > 1:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)  # and every other one done by then
         ready_set = set(ready)
         done = []
         now = time.monotonic()
