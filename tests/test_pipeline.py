@@ -177,3 +177,17 @@ def test_malformed_shapes_file(content, suffix, msg, tmp_path):
     r = cli("opsadv-tune", "--device", "cpu", "--ops", "gemm", "--shapes", str(f), "--db", url)
     assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "x.db").exists()  # nothing written
+
+
+def test_asking_ahead_for_compilation_changes_no_result_shape(ray_session, sqlite_url):
+    # on the CPU nothing compiles, but the driver still asks one trial ahead per worker and sends it to prefetch
+    rows = _tune(sqlite_url, compile_workers=1)
+    assert len(rows) == 2
+    import optuna
+
+    with Session(db.open_db(sqlite_url)) as s:
+        studies = set(s.scalars(select(db.Trial.study)))
+    for name in studies:
+        trials = optuna.load_study(study_name=name, storage=sqlite_url).trials
+        assert sum(t.state != optuna.trial.TrialState.PRUNED for t in trials) == 8
+        assert all(t.state.is_finished() for t in trials)

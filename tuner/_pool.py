@@ -40,9 +40,10 @@ class Pool:
 
     def __init__(
         self, device: str, n: int, *, accelerator_type: str | None, plugins: list[str], start_timeout_s: float = 120,
-        node_grace_s: float = 60,
+        node_grace_s: float = 60, compile_workers: int = 0,
     ) -> None:
         self.device = device
+        self.compile_workers = compile_workers
         self.accelerator_type = accelerator_type
         self.cls = make_actor_class(device, accelerator_type)
         self.plugins = plugins
@@ -54,7 +55,7 @@ class Pool:
             self._start(s)
 
     def _start(self, slot: Slot) -> None:
-        slot.actor = self.cls.remote(self.device, self.plugins, list(sys.path))
+        slot.actor = self.cls.remote(self.device, self.plugins, list(sys.path), self.compile_workers)
         try:
             slot.info = ray.get(slot.actor.info.remote(), timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -80,6 +81,11 @@ class Pool:
     def submit(self, slot: Slot, job: Any, method: str, args: tuple, timeout_s: float) -> None:
         slot.job, slot.started, slot.timeout, slot.call = job, time.monotonic(), timeout_s, (method, args, timeout_s)
         slot.ref = getattr(slot.actor, method).remote(*args)
+
+    def prefetch(self, index: int, trial: dict) -> None:
+        """Ask worker `index` (mod the pool) to compile `trial` ahead; fire and forget."""
+        if self.compile_workers and self.slots:
+            self.slots[index % len(self.slots)].actor.prefetch.remote(trial)
 
     def busy(self) -> bool:
         return any(s.job is not None for s in self.slots)

@@ -56,6 +56,7 @@ def tune_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, help="measuring actors (default: one per GPU; one for cpu)")
     ap.add_argument("--impls", help="comma-separated implementations to search (default: every one for the device)")
     ap.add_argument("--measure-budget", type=float, help="seconds of timing per trial (default 0.3 on cpu, 0.1 on GPUs)")
+    ap.add_argument("--compile-workers", type=int, help="Triton compile processes per GPU worker, compiling ahead (default: spare cores; 0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plugin", action="append", default=[], help="module registering extra implementations (repeatable)")
     args = ap.parse_args(argv)
@@ -90,6 +91,7 @@ def tune_main(argv: list[str] | None = None) -> int:
             device=args.device, problems=problems, db_url=args.db or _db_default(), trials=args.trials, timeout_s=args.timeout,
             trial_timeout_s=args.trial_timeout, sampler=args.sampler, workers=args.workers, ray_address=args.ray_address,
             seed=args.seed, plugins=plugins, only_impls=[i.strip() for i in (args.impls or "").split(",") if i.strip()],
+            compile_workers=args.compile_workers,
             measure_budget_s=args.measure_budget or (0.3 if args.device == "cpu" else 0.1), command=shlex.join(["opsadv-tune", *(argv if argv is not None else sys.argv[1:])]),
         )
         rows = Tuner(opts).run()

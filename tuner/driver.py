@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import json
 import sys
 import time
@@ -47,6 +48,7 @@ class TuneOptions:
     measure_budget_s: float = 0.3
     finalists: int = 3
     only_impls: list[str] = field(default_factory=list)  # search only these (vendors are always measured)
+    compile_workers: int | None = None  # compile processes per GPU worker; None: spare cores / workers
     warm_start: bool = True
     command: str = ""
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
@@ -147,6 +149,7 @@ class Tuner:
         self.o = opts
         self.log = opts.log
         self.backend = "cpu" if opts.device == "cpu" else "cuda"
+        self._rr = 0
         self.stats: dict = {}  # after run(): wall_s and per worker slot busy_s, jobs, restarts (see Pool.stats)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -165,7 +168,10 @@ class Tuner:
         try:
             n = o.workers or placement.count()
             self.log(f"starting {n} measuring worker(s) for {o.device}")
-            self.pool = Pool(self.backend, n, accelerator_type=placement.accelerator_type, plugins=o.plugins)
+            cw = o.compile_workers
+            if cw is None:
+                cw = 0 if self.backend == "cpu" else max(0, min(8, (os.cpu_count() or 2) // n - 2))
+            self.pool = Pool(self.backend, n, accelerator_type=placement.accelerator_type, plugins=o.plugins, compile_workers=cw)
             t = time.monotonic()
             try:
                 return self._run()
@@ -312,7 +318,7 @@ class Tuner:
         active: list[Task] = []
         window = len(self.pool.slots) + 1  # few problems at once keeps inputs resident on the device
         last_report = time.monotonic()
-        rr = 0
+        ready: deque = deque()  # jobs asked ahead (in flight for their task), next to be submitted
         while pending or active:
             out_of_time = o.timeout_s is not None and time.monotonic() - t0 > o.timeout_s
             if out_of_time and pending:
@@ -321,15 +327,18 @@ class Tuner:
             while pending and len(active) < window:
                 active.append(pending.popleft())
             for slot in self.pool.free():
-                job = None
-                for k in range(len(active)):
-                    job = self._next_job(active[(rr + k) % len(active)], out_of_time)
-                    if job is not None:
-                        rr = (rr + k + 1) % len(active)
-                        break
+                job = ready.popleft() if ready else self._pick(active, out_of_time)
                 if job is None:
                     break
                 self.pool.submit(slot, job[3], job[0], job[1], job[2])
+            # compile ahead: one prepared measurement per worker, its kernels compiling while others are timed
+            while self.pool.compile_workers and len(ready) < len(self.pool.slots):
+                job = self._pick(active, out_of_time)
+                if job is None:
+                    break
+                if job[0] == "measure":
+                    self.pool.prefetch(len(ready), job[1][0])
+                ready.append(job)
             for job, res, fail in self.pool.poll(0.2):
                 self._finish(job, res, fail)
             for task in list(active):
@@ -342,6 +351,16 @@ class Tuner:
                 done = sum(t.state == "done" for t in tasks)
                 trials = sum(t.asked for t in tasks)
                 self.log(f"[{time.monotonic() - t0:5.0f}s] {done}/{len(tasks)} problems done, {trials} trials asked")
+
+    def _pick(self, active: list[Task], out_of_time: bool):
+        """The next job, taking the active problems in turn."""
+        for k in range(len(active)):
+            i = (self._rr + k) % len(active)
+            job = self._next_job(active[i], out_of_time)
+            if job is not None:
+                self._rr = (i + 1) % len(active)
+                return job
+        return None
 
     def _exhausted(self, task: Task, out_of_time: bool) -> bool:
         return not task.vendors and (out_of_time or self._spent(task))

@@ -12,7 +12,9 @@ import ray
 class Measurer:
     """Measures trials for one device; the tuner kills and replaces it when a kernel hangs or crashes it."""
 
-    def __init__(self, device: str, plugins: list[str] | None = None, sys_path: list[str] | None = None) -> None:
+    def __init__(
+        self, device: str, plugins: list[str] | None = None, sys_path: list[str] | None = None, compile_workers: int = 0
+    ) -> None:
         for p in reversed(sys_path or []):
             if p not in sys.path:
                 sys.path.insert(0, p)
@@ -28,6 +30,11 @@ class Measurer:
             device = "cuda:0"
         self.device = device
         self.bench = Bench(device)
+        self.ahead = None
+        if compile_workers and device.startswith("cuda"):
+            from .compile_ahead import CompileAhead
+
+            self.ahead = CompileAhead(device, compile_workers, list(sys.path), list(plugins or []))
 
     def info(self) -> dict[str, Any]:
         from kernel_space._device import local_device_class
@@ -46,6 +53,11 @@ class Measurer:
         res["pid"] = os.getpid()
         return res
 
+    def prefetch(self, trial: dict[str, Any]) -> None:
+        """Compile `trial`'s kernels in the background while this actor measures another."""
+        if self.ahead is not None:
+            self.ahead.submit(trial)
+
     def confirm(self, op: str, problem: dict, candidates: list[dict], rounds: int = 5) -> dict[str, dict]:
         return self.bench.confirm(op, problem, candidates, rounds=rounds)
 
@@ -56,7 +68,8 @@ def make_actor_class(device: str, accelerator_type: str | None = None):
     if device == "cpu":
         opts["num_cpus"] = 1
     else:
-        opts.update(num_cpus=1, num_gpus=1)
+        # two threads: a prefetch call is taken while a measurement runs
+        opts.update(num_cpus=1, num_gpus=1, max_concurrency=2)
         if accelerator_type:
             opts["accelerator_type"] = accelerator_type
     return ray.remote(**opts)(Measurer)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Tuning wall time with compile-ahead off and on, each with an empty Triton cache (one device call).
+#   carry [".whl"]; bash benchmarks/compile_ahead.sh [TRIALS]
+set -u
+TRIALS=${1:-12}
+export PYTHONUNBUFFERED=1 RAY_DISABLE_USAGE_STATS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+for cw in 0 6; do
+  export TRITON_CACHE_DIR=/tmp/triton-cache-$cw
+  s=$(date +%s.%N)
+  python3 -m tuner tune --device h200 --ops gemm,softmax --shapes benchmarks/shapes/compile_ahead.yaml --trials "$TRIALS" \
+    --compile-workers $cw --db sqlite:////tmp/ca$cw.db > /tmp/ca$cw.txt 2>/tmp/ca$cw.log
+  e=$(date +%s.%N)
+  echo "compile-workers=$cw rc=$? wall=$(python3 -c "print(round($e-$s,1))") s; $(grep -c '  done' /tmp/ca$cw.log) problems done"
+  python3 - "$cw" <<'PY'
+import sqlite3, sys
+con = sqlite3.connect(f"/tmp/ca{sys.argv[1]}.db")
+n = con.execute("select count(*) from opsadv_trials where status != 'pruned'").fetchone()[0]
+t0, t1 = con.execute("select min(created_at), max(created_at) from opsadv_trials").fetchone()
+print(f"  measured trials {n}, first to last trial stored: {t0} .. {t1}")
+PY
+  cat /tmp/ca$cw.txt
+done
