@@ -45,7 +45,7 @@ class Pool:
         self.device = device
         self.compile_workers = compile_workers
         self.accelerator_type = accelerator_type
-        self.cls = make_actor_class(device, accelerator_type)
+        self.cls = make_actor_class(device, accelerator_type, compile_ahead=compile_workers > 0)
         self.plugins = plugins
         self.start_timeout_s = start_timeout_s
         self.node_grace_s = node_grace_s  # how long the GCS may take to mark a silent node dead

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import json
 import sys
 import time
@@ -48,7 +47,8 @@ class TuneOptions:
     measure_budget_s: float = 0.3
     finalists: int = 3
     only_impls: list[str] = field(default_factory=list)  # search only these (vendors are always measured)
-    compile_workers: int | None = None  # compile processes per GPU worker; None: spare cores / workers
+    # Compile processes per GPU worker (0: off). Off by default: not yet measured on a GPU.
+    compile_workers: int = 0
     warm_start: bool = True
     command: str = ""
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
@@ -168,10 +168,8 @@ class Tuner:
         try:
             n = o.workers or placement.count()
             self.log(f"starting {n} measuring worker(s) for {o.device}")
-            cw = o.compile_workers
-            if cw is None:
-                cw = 0 if self.backend == "cpu" else max(0, min(8, (os.cpu_count() or 2) // n - 2))
-            self.pool = Pool(self.backend, n, accelerator_type=placement.accelerator_type, plugins=o.plugins, compile_workers=cw)
+            self.pool = Pool(self.backend, n, accelerator_type=placement.accelerator_type, plugins=o.plugins,
+                             compile_workers=o.compile_workers)
             t = time.monotonic()
             try:
                 return self._run()

@@ -62,14 +62,15 @@ class Measurer:
         return self.bench.confirm(op, problem, candidates, rounds=rounds)
 
 
-def make_actor_class(device: str, accelerator_type: str | None = None):
+def make_actor_class(device: str, accelerator_type: str | None = None, compile_ahead: bool = False):
     """A Ray actor class reserving one CPU (CPU device) or one GPU of the given accelerator type."""
     opts: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
     if device == "cpu":
         opts["num_cpus"] = 1
     else:
-        # two threads: a prefetch call is taken while a measurement runs
-        opts.update(num_cpus=1, num_gpus=1, max_concurrency=2)
+        opts.update(num_cpus=1, num_gpus=1)
+        if compile_ahead:
+            opts["max_concurrency"] = 2  # a prefetch call is taken while a measurement runs
         if accelerator_type:
             opts["accelerator_type"] = accelerator_type
     return ray.remote(**opts)(Measurer)
