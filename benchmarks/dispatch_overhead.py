@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import timeit
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

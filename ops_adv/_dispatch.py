@@ -6,7 +6,6 @@ import threading
 import warnings
 from typing import Any, Callable
 
-import kernel_space
 from kernel_space import OpsAdvError, backend_of, choose_default, get_impl, get_op, problem_distance
 from kernel_space._device import device_class_of
 

@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from kernel_space import OpsAdvError
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 import kernel_space
 from kernel_space import OpsAdvError, get_op, impls, relative_error

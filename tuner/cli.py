@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from typing import Callable

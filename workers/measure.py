@@ -9,7 +9,7 @@ import torch
 import kernel_space
 from kernel_space import get_impl, get_op, relative_error
 
-from .timing import Timing, interleaved, time_fn
+from .timing import interleaved, time_fn
 
 # Statuses a trial can end with; the tuner adds pruned, timeout and crashed.
 OK, PRUNED, COMPILE_ERROR, OUT_OF_RESOURCES, WRONG_RESULT, RUNTIME_ERROR, TIMEOUT, CRASHED = (
