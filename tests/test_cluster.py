@@ -134,12 +134,14 @@ def _count(url: str, model, **where) -> int:
         return s.scalar(select(func.count()).select_from(model).filter_by(**where))
 
 
-def _start_tune(cluster: Cluster, tmp_path: Path, problems: list[dict], trials: int, workers: int):
+def _start_tune(cluster: Cluster, tmp_path: Path, problems: list[dict], trials: int, workers: int, slow: bool = False):
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"gemm": problems}))
     args = ["--device", "cpu", "--ops", "gemm", "--shapes", str(shapes), "--trials", str(trials), "--workers", str(workers),
             "--ray-address", cluster.address, "--db", url]
+    if slow:  # trials of ~0.5 s each, so the run is surely still going when a node is stopped
+        args += ["--plugin", "plugins.slow", "--impls", "slow_matmul"]
     code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
     with open(tmp_path / "tune.out", "w") as out, open(tmp_path / "tune.err", "w") as err:
         p = subprocess.Popen([sys.executable, "-c", code, *args], env=cluster.env, stdout=out, stderr=err, start_new_session=True)
@@ -172,8 +174,8 @@ def test_node_loss_mid_run_loses_and_misrecords_nothing(cluster, tmp_path, spare
     """no-room: the lost worker is not replaced, the run ends on the head's worker alone;
     spare-node: a third node joins mid-run and the lost worker is started again there."""
     problems = [{"M": 64, "N": 64, "K": 64}, {"M": 96, "N": 64, "K": 128}]
-    trials = 14
-    p, url, log = _start_tune(cluster, tmp_path, problems, trials, workers=2)
+    trials = 24
+    p, url, log = _start_tune(cluster, tmp_path, problems, trials, workers=2, slow=True)
     try:
         _wait_for_trials(p, url, log, 4)
         if spare:  # both workers are placed by now (one CPU per node): the new node is free for a replacement
