@@ -169,6 +169,20 @@ def _stop(p: subprocess.Popen) -> None:
         p.wait()
 
 
+def _stop_node_mid_run(cluster: Cluster, p: subprocess.Popen, url: str, log, n: int, before=None) -> int:
+    """Once `n` trials are stored (and after `before()`), stop node2 while the run goes on; wait for the run."""
+    try:
+        stored = _wait_for_trials(p, url, log, n)
+        if before is not None:
+            before()
+        assert p.poll() is None, f"the run ended before the node could be stopped:\n{log()[-3000:]}"
+        assert cluster.kill_node("node2")
+        p.wait(timeout=240)
+    finally:
+        _stop(p)
+    return stored
+
+
 @pytest.mark.parametrize("spare", [False, True], ids=["no-room", "spare-node"])
 def test_node_loss_mid_run_loses_and_misrecords_nothing(cluster, tmp_path, spare):
     """no-room: the lost worker is not replaced, the run ends on the head's worker alone;
@@ -176,15 +190,8 @@ def test_node_loss_mid_run_loses_and_misrecords_nothing(cluster, tmp_path, spare
     problems = [{"M": 64, "N": 64, "K": 64}, {"M": 96, "N": 64, "K": 128}]
     trials = 24
     p, url, log = _start_tune(cluster, tmp_path, problems, trials, workers=2, slow=True)
-    try:
-        _wait_for_trials(p, url, log, 4)
-        if spare:  # both workers are placed by now (one CPU per node): the new node is free for a replacement
-            cluster.add_node("node3")
-        assert p.poll() is None, f"the run ended before the node could be stopped:\n{log()[-3000:]}"
-        assert cluster.kill_node("node2")
-        p.wait(timeout=240)
-    finally:
-        _stop(p)
+    # both workers are placed by the time trials are stored (one CPU per node): node3 is free for a replacement
+    _stop_node_mid_run(cluster, p, url, log, 4, before=(lambda: cluster.add_node("node3")) if spare else None)
     text = log()
     assert p.returncode == 0, text[-4000:]
     # the loss happened mid-run, was told from a crash, and the lost job ran again
@@ -213,13 +220,7 @@ def test_node_loss_mid_run_loses_and_misrecords_nothing(cluster, tmp_path, spare
 @pytest.mark.parametrize("cluster", [0], ids=["head-without-cpus"], indirect=True)
 def test_losing_every_worker_node_ends_the_run_with_one_line(cluster, tmp_path):
     p, url, log = _start_tune(cluster, tmp_path, [{"M": 64, "N": 64, "K": 64}], 40, workers=1)
-    try:
-        stored = _wait_for_trials(p, url, log, 2)
-        assert p.poll() is None, f"the run ended before the node could be stopped:\n{log()[-3000:]}"
-        assert cluster.kill_node("node2")
-        p.wait(timeout=240)
-    finally:
-        _stop(p)
+    stored = _stop_node_mid_run(cluster, p, url, log, 2)
     text = log()
     assert p.returncode == 2, text[-4000:]
     assert "opsadv-tune: error: every measuring worker's node left the Ray cluster" in text and "Traceback" not in text, text[-4000:]

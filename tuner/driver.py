@@ -200,7 +200,7 @@ class Tuner:
         t0 = time.monotonic()
         try:
             self._loop(tasks, t0)
-            complete = all(t.state == "done" and (t.asked >= t.budget or t.pruned >= MAX_PRUNED * max(1, t.budget)) for t in tasks)
+            complete = all(t.state == "done" and self._spent(t) for t in tasks)
             status = "finished" if complete else "interrupted"
         except KeyboardInterrupt:
             status = "interrupted"
