@@ -11,8 +11,9 @@ for cw in 0 6; do
   s=$(date +%s.%N)
   python3 -m tuner tune --device h200 --ops gemm,softmax --shapes benchmarks/shapes/compile_ahead.yaml --trials "$TRIALS" \
     --compile-workers $cw --db sqlite:////tmp/ca$cw.db > /tmp/ca$cw.txt 2>/tmp/ca$cw.log
+  rc=$?
   e=$(date +%s.%N)
-  echo "compile-workers=$cw rc=$? wall=$(python3 -c "print(round($e-$s,1))") s; $(grep -c '  done' /tmp/ca$cw.log) problems done"
+  echo "compile-workers=$cw rc=$rc wall=$(python3 -c "print(round($e-$s,1))") s; $(grep -c '  done' /tmp/ca$cw.log) problems done"
   python3 - "$cw" <<'PY'
 import sqlite3, sys
 con = sqlite3.connect(f"/tmp/ca{sys.argv[1]}.db")
@@ -20,5 +21,5 @@ n = con.execute("select count(*) from opsadv_trials where status != 'pruned'").f
 t0, t1 = con.execute("select min(created_at), max(created_at) from opsadv_trials").fetchone()
 print(f"  measured trials {n}, first to last trial stored: {t0} .. {t1}")
 PY
-  cat /tmp/ca$cw.txt
+  cat /tmp/ca$cw.txt; grep -i "compile" /tmp/ca$cw.log | tail -3
 done

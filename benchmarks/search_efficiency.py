@@ -1,9 +1,14 @@
 """How fast does the tuner's search find the best configuration, against an exhaustive sweep?
 
 Two phases:
-  sweep   (on the GPU)  measure every valid configuration of a reduced space per problem,
-                        recording its median time and the wall time its evaluation cost
-                        (compilation, correctness check, timing);
+  sweep   (on the GPU)  measure every valid configuration of the space opsadv-tune searches
+                        for each problem (the op's full space, narrowed as the tuner narrows it),
+                        recording its median time, the seconds its compilation took (cold) and
+                        the seconds its check and timing took.  Compilation runs ahead in
+                        compile-only processes on the spare cores (workers/compile_ahead.py), so
+                        a sweep of thousands of configurations fits in minutes; each op is
+                        swept in a child process, and a configuration that kills it is
+                        recorded as crashed and the sweep goes on without it;
   replay  (anywhere)    run the tuner's own Optuna search (TPE with constant liar, warm-started
                         from the nearest other problems' best configurations as opsadv-tune
                         does; TPE cold; random) over the measured sweep, several seeds each, and
@@ -11,8 +16,8 @@ Two phases:
 Replaying over measured results (as Kernel Tuner's simulation mode does) lets every seed of
 every sampler see the same numbers, so samplers are compared on the search alone.
 
-  python benchmarks/search_efficiency.py sweep --out DIR [--budget-s 300]
-  python benchmarks/search_efficiency.py replay DIR/<date>-<gpu>-sweep.json [--seeds 5]
+  python benchmarks/search_efficiency.py sweep --out DIR [--budget-s 500] [--ops gemm,attention,rms_norm]
+  python benchmarks/search_efficiency.py replay DIR/<date>-<gpu>-sweep.json [--seeds 5] [--out PREFIX]
 """
 from __future__ import annotations
 
@@ -21,87 +26,148 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-# Reduced spaces: each still spans the choices that decide speed on Hopper.
-REDUCED = {
-    "gemm": {"BLOCK_M": (16, 64, 128), "BLOCK_N": (64, 128, 256), "BLOCK_K": (64, 128), "GROUP_M": (8,), "num_warps": (4, 8),
-             "num_stages": (3, 4), "SPLIT_K": (1, 4)},
-    "attention": {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "streams": (1,)},
-    "rms_norm": {"BLOCK_N": (0, 1024, 4096), "ROWS_PER_PROGRAM": (1, 2, 8), "PROGRAMS_PER_SM": (0, 4), "num_warps": (4, 8, 16),
-                 "num_stages": (1, 3)},
-}
+SWEEP_OPS = ("gemm", "attention", "rms_norm")
 
 
-def problems():
+def problems(op: str, device: str = "cuda") -> list:
     from kernel_space import get_op, ops
 
-    g, a = get_op("gemm").problem, get_op("attention").problem
-    out = [
-        ("gemm", g(4096, 4096, 4096, "bf16")), ("gemm", g(2048, 4096, 4096, "bf16")),
-        ("gemm", g(16, 4096, 4096, "bf16")), ("gemm", g(32, 4096, 4096, "bf16")),
-        ("attention", a(4, 32, 2048, 2048, 128, False, "bf16")), ("attention", a(4, 32, 2048, 2048, 128, True, "bf16")),
-        ("attention", a(2, 32, 4096, 4096, 128, True, "bf16")),
-    ]
-    for op in ("rms_norm",):
-        if op in ops():
-            p = get_op(op).problem
-            out += [(op, p(4096, 4096, "bf16")), (op, p(2048, 8192, "bf16")), (op, p(1024, 16384, "bf16"))]
-    return out
+    if op not in ops():
+        return []
+    p = get_op(op).problem
+    if device == "cpu":  # a smoke set for the CPU implementations
+        sizes = {"gemm": [(256, 256, 256, "fp32"), (512, 256, 256, "fp32")],
+                 "attention": [(1, 2, 128, 128, 64, False, "fp32"), (1, 2, 256, 256, 64, False, "fp32")]}
+    else:
+        sizes = {
+            "gemm": [(4096, 4096, 4096, "bf16"), (2048, 4096, 4096, "bf16"), (32, 4096, 4096, "bf16"), (16, 4096, 4096, "bf16")],
+            "attention": [(4, 32, 2048, 2048, 128, False, "bf16"), (4, 32, 2048, 2048, 128, True, "bf16"), (2, 32, 4096, 4096, 128, True, "bf16")],
+            "rms_norm": [(4096, 4096, "bf16"), (2048, 8192, "bf16"), (1024, 16384, "bf16")],
+        }
+    return [p(*s) for s in sizes.get(op, [])]
 
 
-def reduced_configs(impl, problem):
-    red = REDUCED.get(impl.op, {})
-    space = {k: tuple(c for c in v if c in red[k]) if k in red else v for k, v in impl.space.items()}
-    import itertools
-
-    keys = list(space)
-    for vals in itertools.product(*(space[k] for k in keys)):
-        cfg = dict(zip(keys, vals))
-        if impl.why_not(problem, cfg, "cuda") is None:
-            yield cfg
-
-
-def sweep(out_dir: str, budget_s: float) -> str:
-    import torch
-
+def tunable(op: str, backend: str):
     from kernel_space import impls
+
+    tun = [i for i in impls(op, backend=backend) if not i.vendor and not i.unavailable and i.space]
+    return tun[0] if tun else None
+
+
+def valid_configs(impl, problem, backend: str) -> list[dict]:
+    return [c for c in impl.configs() if impl.why_not(problem, c, backend) is None]
+
+
+def _sweep_op(op: str, jsonl: str, device: str, deadline: float, compile_workers: int) -> None:
+    """Child process: measure every valid configuration of `op`'s problems not yet in `jsonl`."""
+    from kernel_space import backend_of
     from workers.measure import Bench
 
-    bench = Bench("cuda:0")
-    t_start = time.monotonic()
-    results = []
-    plist = problems()
-    for n, (op, problem) in enumerate(plist):
-        share = (budget_s - (time.monotonic() - t_start)) / (len(plist) - n)
-        tun = [i for i in impls(op, backend="cuda") if not i.vendor and not i.unavailable]
-        if not tun:
-            continue
-        impl = tun[0]
-        cfgs = list(reduced_configs(impl, problem))
-        rows, t0 = [], time.monotonic()
-        for cfg in cfgs:
-            if time.monotonic() - t0 > share:
+    backend = backend_of(device)
+    impl = tunable(op, backend)
+    done = set()
+    if os.path.exists(jsonl):
+        for line in open(jsonl):
+            r = json.loads(line)
+            if "status" in r:
+                done.add(_key2(r["problem"], r["params"]))
+    todo = [(p, c) for p in problems(op, backend) for c in valid_configs(impl, p, backend) if _key2(p._asdict(), c) not in done]
+    futures = []
+    pool = None
+    if backend == "cuda" and compile_workers > 0:
+        from workers.compile_ahead import CompileAhead, _compile
+
+        pool = CompileAhead(device, compile_workers, sys.path, [])
+        futures = [pool.pool.submit(_compile, {"op": op, "problem": p._asdict(), "impl": impl.name, "params": c}) for p, c in todo]
+    bench = Bench(device)
+    with open(jsonl, "a") as f:
+        for n, (p, cfg) in enumerate(todo):
+            if time.time() > deadline:
                 break
+            compile_s = 0.0
+            if futures:
+                try:
+                    compile_s = futures[n].result(timeout=max(1.0, deadline - time.time()))
+                except Exception:
+                    break
+            row = {"problem": p._asdict(), "params": cfg}
+            f.write(json.dumps({**row, "begin": True}) + "\n")
+            f.flush()
             c0 = time.monotonic()
-            r = bench.run({"op": op, "problem": problem._asdict(), "impl": impl.name, "params": cfg}, budget_s=0.05)
-            rows.append({"params": cfg, "status": r["status"], "median_ms": r.get("median_ms"), "cost_s": time.monotonic() - c0})
-        complete = len(rows) == len(cfgs)
-        ok = [r for r in rows if r["status"] == "ok"]
-        best = min((r["median_ms"] for r in ok), default=None)
-        print(f"{op} {tuple(problem)}: {len(rows)}/{len(cfgs)} configs{'' if complete else ' (budget)'}, {len(ok)} ok, "
-              f"best {best} ms, {time.monotonic() - t0:.1f} s", flush=True)
-        results.append({"op": op, "problem": problem._asdict(), "impl": impl.name, "space_size": len(cfgs),
-                        "complete": complete, "configs": rows})
-    gpu = torch.cuda.get_device_name(0)
-    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else "gpu"
+            r = bench.run({"op": op, "problem": p._asdict(), "impl": impl.name, "params": cfg}, budget_s=0.03, reps=15)
+            f.write(json.dumps({**row, "status": r["status"], "median_ms": r.get("median_ms"), "compile_s": compile_s,
+                                "measure_s": time.monotonic() - c0, "error": r.get("error")}) + "\n")
+            f.flush()
+            if r.get("context_lost"):
+                os._exit(3)  # the process's CUDA context is gone: the parent starts a fresh one
+    if pool:
+        pool.shutdown()
+    os._exit(0)
+
+
+def _key2(problem: dict, params: dict) -> str:
+    return json.dumps([sorted(problem.items()), sorted(params.items())], default=str)
+
+
+def sweep(out_dir: str, budget_s: float, ops: list[str], device: str, compile_workers: int) -> str:
+    import torch
+
+    from kernel_space import backend_of
+
+    backend = backend_of(device)
+    t_start = time.time()
+    results = []
+    for n, op in enumerate(ops):
+        impl = tunable(op, backend)
+        if impl is None:
+            continue
+        jsonl = os.path.join(out_dir, f"sweep-{op}.jsonl")
+        deadline = t_start + budget_s * (n + 1) / len(ops) if n + 1 < len(ops) else t_start + budget_s
+        for attempt in range(10):  # a configuration that kills the process is recorded, and the sweep resumes after it
+            if time.time() > deadline - 5:
+                break
+            cmd = [sys.executable, __file__, "_sweep_op", op, jsonl, device, str(deadline), str(compile_workers)]
+            try:
+                rc = subprocess.run(cmd, timeout=deadline - time.time() + 60).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            rows = [json.loads(line) for line in open(jsonl)] if os.path.exists(jsonl) else []
+            if rows and "begin" in rows[-1]:
+                with open(jsonl, "a") as f:
+                    f.write(json.dumps({**rows[-1], "begin": None, "status": "crashed", "median_ms": None, "compile_s": 0.0,
+                                        "measure_s": 0.0, "error": f"sweep process ended: {rc}"}) + "\n")
+                print(f"{op}: process ended ({rc}) on {rows[-1]['params']}; resuming after it", flush=True)
+                continue
+            break
+        rows = [json.loads(line) for line in open(jsonl) if '"status"' in line] if os.path.exists(jsonl) else []
+        cold: dict[str, float] = {}  # a configuration's compile cost is the largest seen for it (the cold one)
+        for r in rows:
+            k = json.dumps(sorted(r["params"].items()))
+            cold[k] = max(cold.get(k, 0.0), r["compile_s"])
+        for p in problems(op, backend):
+            cfgs = valid_configs(impl, p, backend)
+            mine = {json.dumps(sorted(r["params"].items())): r for r in rows if r["problem"] == p._asdict()}
+            configs = [{"params": r["params"], "status": r["status"], "median_ms": r["median_ms"], "error": r["error"],
+                        "compile_s": cold[k], "measure_s": r["measure_s"], "cost_s": cold[k] + r["measure_s"]} for k, r in mine.items()]
+            ok = [c["median_ms"] for c in configs if c["status"] == "ok"]
+            complete = len(configs) == len(cfgs)
+            print(f"{op} {tuple(p)}: {len(configs)}/{len(cfgs)} configs{'' if complete else ' (budget)'}, {len(ok)} ok, "
+                  f"best {min(ok, default=None)} ms, compile {sum(c['compile_s'] for c in configs):.0f} s (cold, serial), "
+                  f"measure {sum(c['measure_s'] for c in configs):.0f} s", flush=True)
+            results.append({"op": op, "problem": p._asdict(), "impl": impl.name, "space_size": len(cfgs), "complete": complete,
+                            "configs": configs})
+    name = torch.cuda.get_device_name(0) if backend == "cuda" else "cpu"
+    tag = "h200" if "H200" in name else "h100" if "H100" in name else "gpu" if backend == "cuda" else "cpu"
     path = os.path.join(out_dir, f"{datetime.date.today()}-{tag}-sweep.json")
     with open(path, "w") as f:
-        json.dump({"device": gpu, "torch": torch.__version__, "reduced_spaces": REDUCED, "problems": results}, f, indent=1)
-    print(f"wrote {path}")
+        json.dump({"device": name, "torch": torch.__version__, "wall_s": time.time() - t_start, "problems": results}, f, indent=1)
+    print(f"wrote {path} after {time.time() - t_start:.0f} s")
     return path
 
 
@@ -109,64 +175,64 @@ def _key(params: dict) -> str:
     return json.dumps(sorted(params.items()))
 
 
-def replay(path: str, seeds: int, within: float = 0.02) -> dict:
+def replay(path: str, seeds: int, within: float = 0.02, startup: int | None = None) -> dict:
+    import dataclasses
+    import warnings
+
     import optuna
 
     import kernel_space
     from kernel_space import get_op, problem_distance
-    from tuner.driver import _sampler, _suggest
+    from tuner.driver import _sampler, _suggest, narrow
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    import warnings
-
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     data = json.load(open(path))
+    backend = "cpu" if data["device"] == "cpu" else "cuda"
     probs = [p for p in data["problems"] if p["complete"] and any(c["status"] == "ok" for c in p["configs"])]
-    best_cfg = {}
-    for p in probs:
-        ok = [c for c in p["configs"] if c["status"] == "ok"]
-        best_cfg[id(p)] = min(ok, key=lambda c: c["median_ms"])["params"]
+    best_cfg = {id(p): min((c for c in p["configs"] if c["status"] == "ok"), key=lambda c: c["median_ms"])["params"] for p in probs}
+
+    def sampler(kind: str, seed: int):
+        if kind == "tpe" and startup is not None:  # sensitivity runs only; opsadv-tune uses _sampler
+            return optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=startup, multivariate=True, group=True)
+        return _sampler(kind, seed)
+
     summary = []
     for p in probs:
         spec = get_op(p["op"])
         problem = spec.parse_problem(p["problem"])
-        import dataclasses
-
-        full = kernel_space.get_impl(p["op"], p["impl"])
-        red = data["reduced_spaces"].get(p["op"], {})
-        # the search runs over the reduced space the sweep measured, as opsadv-tune runs over the full one
-        impl = dataclasses.replace(full, space={k: tuple(c for c in v if c in red[k]) if k in red else v for k, v in full.space.items()})
+        impl = narrow(kernel_space.get_impl(p["op"], p["impl"]), problem, backend)  # the space opsadv-tune asks in
+        red = data.get("reduced_spaces", {}).get(p["op"])
+        if red:  # sweeps of 2026-12-02 measured sub-grids only
+            impl = dataclasses.replace(impl, space={k: tuple(c for c in v if c in red.get(k, v)) for k, v in impl.space.items()})
         table = {_key(c["params"]): c for c in p["configs"]}
-        ok_times = [c["median_ms"] for c in p["configs"] if c["status"] == "ok"]
-        best = min(ok_times)
-        sweep_cost = sum(c["cost_s"] for c in p["configs"])
-        # the nearest other problems of the same op, as opsadv-tune's warm start picks them
-        near = []
+        best = min(c["median_ms"] for c in p["configs"] if c["status"] == "ok")
+        near = []  # the nearest other problems of the same op, as opsadv-tune's warm start picks them
         for q in probs:
             if q is not p and q["op"] == p["op"]:
                 d = problem_distance(spec, tuple(problem), tuple(spec.parse_problem(q["problem"])))
                 if d is not None:
                     near.append((d, best_cfg[id(q)]))
         seeds_cfg = [cfg for _, cfg in sorted(near, key=lambda x: x[0])][:3]
-        row = {"op": p["op"], "problem": p["problem"], "space": len(p["configs"]), "sweep_s": sweep_cost, "best_ms": best}
+        row = {"op": p["op"], "problem": p["problem"], "space": len(table), "sweep_s": sum(c["cost_s"] for c in p["configs"]),
+               "best_ms": best, "within_2pct": sum(1 for c in p["configs"] if c["status"] == "ok" and c["median_ms"] <= best * (1 + within))}
         for mode in ("tpe_warm", "tpe", "random"):
             evals, walls = [], []
             for seed in range(seeds):
-                sampler = _sampler("random" if mode == "random" else "tpe", seed)
-                study = optuna.create_study(direction="minimize", sampler=sampler)
+                study = optuna.create_study(direction="minimize", sampler=sampler("random" if mode == "random" else "tpe", seed))
                 if mode == "tpe_warm":
                     for cfg in seeds_cfg:
                         if _key(cfg) in table:
                             study.enqueue_trial({f"{impl.name}.{k}": v for k, v in cfg.items()})
-                seen, n, wall, t_sampler, hit = set(), 0, 0.0, 0.0, None
-                for _ in range(20 * len(table)):
+                seen, n, wall, hit = set(), 0, 0.0, None
+                for _ in range(50 * len(table)):
                     t0 = time.perf_counter()
                     trial = study.ask()
                     _, params = _suggest(trial, [impl])
-                    t_sampler += time.perf_counter() - t0
+                    wall += time.perf_counter() - t0
                     k = _key(params)
                     c = table.get(k)
-                    if c is None:  # outside the reduced space or pruned: refused before any compile
+                    if c is None:  # not a valid configuration: refused before any compile, as in opsadv-tune
                         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                         continue
                     if k not in seen:
@@ -175,42 +241,54 @@ def replay(path: str, seeds: int, within: float = 0.02) -> dict:
                         wall += c["cost_s"]
                     if c["status"] == "ok":
                         study.tell(trial, c["median_ms"])
-                        if c["median_ms"] <= best * (1 + within) and hit is None:
+                        if hit is None and c["median_ms"] <= best * (1 + within):
                             hit = n
-                    else:
-                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    else:  # as opsadv-tune tells a failed trial
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
                     if hit is not None or len(seen) == len(table):
                         break
                 evals.append(hit if hit is not None else len(table))
-                walls.append(wall + t_sampler)
+                walls.append(wall)
             row[mode] = {"evals_median": statistics.median(evals), "evals": evals, "fraction": statistics.median(evals) / len(table),
                          "wall_s_median": statistics.median(walls)}
+        print(f"  {p['op']} {tuple(p['problem'].values())}: " + ", ".join(f"{m} {row[m]['evals_median']:g}/{len(table)}" for m in ("tpe_warm", "tpe", "random")),
+              file=sys.stderr, flush=True)
         summary.append(row)
-    return {"sweep": path, "seeds": seeds, "within": within, "problems": summary,
+    return {"sweep": path, "seeds": seeds, "within": within, "n_startup_trials": startup, "problems": summary,
             "median_fraction": {m: statistics.median(r[m]["fraction"] for r in summary) for m in ("tpe_warm", "tpe", "random")},
             "median_wall_s": {m: statistics.median(r[m]["wall_s_median"] for r in summary) for m in ("tpe_warm", "tpe", "random")}}
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_sweep_op":
+        op, jsonl, device, deadline, cw = sys.argv[2:7]
+        _sweep_op(op, jsonl, device, float(deadline), int(cw))
+        return
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sweep")
     s.add_argument("--out", required=True)
-    s.add_argument("--budget-s", type=float, default=300)
+    s.add_argument("--budget-s", type=float, default=500)
+    s.add_argument("--ops", default=",".join(SWEEP_OPS))
+    s.add_argument("--device", default="cuda:0")
+    s.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     r = sub.add_parser("replay")
     r.add_argument("sweep_json")
     r.add_argument("--seeds", type=int, default=5)
+    r.add_argument("--startup", type=int, help="TPE start-up trials (sensitivity; opsadv-tune's own when left out)")
     r.add_argument("--out")
     args = ap.parse_args()
     if args.cmd == "sweep":
         os.makedirs(args.out, exist_ok=True)
-        sweep(args.out, args.budget_s)
+        sweep(args.out, args.budget_s, args.ops.split(","), args.device, args.compile_workers)
         return
-    res = replay(args.sweep_json, args.seeds)
-    lines = ["| op | problem | space | sweep s | TPE+warm evals (frac) | TPE evals | random evals | TPE+warm wall s |", "|---|---|---|---|---|---|---|---|"]
+    res = replay(args.sweep_json, args.seeds, startup=args.startup)
+    lines = ["| op | problem | valid configs | within 2% | sweep s | TPE+warm evals (frac) | TPE evals | random evals | TPE+warm wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r_ in res["problems"]:
         prob = " ".join(f"{k}={v}" for k, v in r_["problem"].items())
-        lines.append(f"| {r_['op']} | {prob} | {r_['space']} | {r_['sweep_s']:.1f} | {r_['tpe_warm']['evals_median']:g} ({r_['tpe_warm']['fraction']:.0%}) | "
+        lines.append(f"| {r_['op']} | {prob} | {r_['space']} | {r_['within_2pct']} | {r_['sweep_s']:.0f} | "
+                     f"{r_['tpe_warm']['evals_median']:g} ({r_['tpe_warm']['fraction']:.1%}) | "
                      f"{r_['tpe']['evals_median']:g} | {r_['random']['evals_median']:g} | {r_['tpe_warm']['wall_s_median']:.1f} |")
     mf, mw = res["median_fraction"], res["median_wall_s"]
     lines.append("")
