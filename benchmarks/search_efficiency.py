@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -133,10 +134,16 @@ def sweep(out_dir: str, budget_s: float, ops: list[str], device: str, compile_wo
             if time.time() > deadline - 5:
                 break
             cmd = [sys.executable, __file__, "_sweep_op", op, jsonl, device, str(deadline), str(compile_workers)]
+            child = subprocess.Popen(cmd, start_new_session=True)
             try:
-                rc = subprocess.run(cmd, timeout=deadline - time.time() + 60).returncode
+                rc = child.wait(timeout=deadline - time.time() + 60)
             except subprocess.TimeoutExpired:
                 rc = "timeout"
+            try:  # its compile processes too, which would otherwise keep our stdout open
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.wait()
             rows = [json.loads(line) for line in open(jsonl)] if os.path.exists(jsonl) else []
             if rows and "begin" in rows[-1]:
                 with open(jsonl, "a") as f:

@@ -18,8 +18,25 @@ _inputs: dict[tuple, tuple] = {}
 _device = "cuda:0"
 
 
+def _exit_with_parent() -> None:
+    """Pool processes hold both ends of their task queue, so a parent that is killed (a timed-out
+    actor) would leave them waiting forever, each with a CUDA context: leave when it is gone."""
+    import os
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _init(device: str, sys_path: list[str], plugins: list[str]) -> None:
     global _device
+    _exit_with_parent()
     for p in reversed(sys_path):
         if p not in sys.path:
             sys.path.insert(0, p)
