@@ -17,7 +17,7 @@ Replaying over measured results (as Kernel Tuner's simulation mode does) lets ev
 every sampler see the same numbers, so samplers are compared on the search alone.
 
   python benchmarks/search_efficiency.py sweep --out DIR [--budget-s 500] [--ops gemm,attention,rms_norm]
-  python benchmarks/search_efficiency.py replay DIR/<date>-<gpu>-sweep.json [--seeds 5] [--out PREFIX]
+  python benchmarks/search_efficiency.py replay SWEEP.json[.gz] ... [--seeds 5] [--out PREFIX]
 """
 from __future__ import annotations
 
@@ -182,7 +182,23 @@ def _key(params: dict) -> str:
     return json.dumps(sorted(params.items()))
 
 
-def replay(path: str, seeds: int, within: float = 0.02, startup: int | None = None) -> dict:
+def _load(paths: list[str]) -> dict:
+    """One or more sweep files (.json or .json.gz) of the same device, as one."""
+    import gzip
+
+    data = None
+    for path in paths:
+        d = json.load(gzip.open(path, "rt") if path.endswith(".gz") else open(path))
+        if data is None:
+            data = d
+        elif d["device"] != data["device"]:
+            raise SystemExit(f"{path} was measured on {d['device']}, not {data['device']}: replay one device at a time")
+        else:
+            data["problems"] += d["problems"]
+    return data
+
+
+def replay(paths: list[str], seeds: int, within: float = 0.02, startup: int | None = None) -> dict:
     import dataclasses
     import warnings
 
@@ -194,7 +210,7 @@ def replay(path: str, seeds: int, within: float = 0.02, startup: int | None = No
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    data = json.load(open(path))
+    data = _load(paths)
     backend = "cpu" if data["device"] == "cpu" else "cuda"
     probs = [p for p in data["problems"] if p["complete"] and any(c["status"] == "ok" for c in p["configs"])]
     best_cfg = {id(p): min((c for c in p["configs"] if c["status"] == "ok"), key=lambda c: c["median_ms"])["params"] for p in probs}
@@ -261,7 +277,7 @@ def replay(path: str, seeds: int, within: float = 0.02, startup: int | None = No
         print(f"  {p['op']} {tuple(p['problem'].values())}: " + ", ".join(f"{m} {row[m]['evals_median']:g}/{len(table)}" for m in ("tpe_warm", "tpe", "random")),
               file=sys.stderr, flush=True)
         summary.append(row)
-    return {"sweep": path, "seeds": seeds, "within": within, "n_startup_trials": startup, "problems": summary,
+    return {"sweep": paths, "seeds": seeds, "within": within, "n_startup_trials": startup, "problems": summary,
             "median_fraction": {m: statistics.median(r[m]["fraction"] for r in summary) for m in ("tpe_warm", "tpe", "random")},
             "median_wall_s": {m: statistics.median(r[m]["wall_s_median"] for r in summary) for m in ("tpe_warm", "tpe", "random")}}
 
@@ -280,7 +296,7 @@ def main() -> None:
     s.add_argument("--device", default="cuda:0")
     s.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     r = sub.add_parser("replay")
-    r.add_argument("sweep_json")
+    r.add_argument("sweep_json", nargs="+")
     r.add_argument("--seeds", type=int, default=5)
     r.add_argument("--startup", type=int, help="TPE start-up trials (sensitivity; opsadv-tune's own when left out)")
     r.add_argument("--out")
