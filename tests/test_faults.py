@@ -55,3 +55,43 @@ def test_trial_classification():
     assert classify(type("OutOfResources", (Exception,), {})("out of resource: shared memory")) == ("out_of_resources", False)
     assert classify(type("CompilationError", (Exception,), {})("bad")) == ("compile_error", False)
     assert classify(ValueError("x")) == ("runtime_error", False)
+
+
+def test_compile_processes_leave_with_their_worker(tmp_path):
+    # A timed-out worker is killed; its compile processes must not live on (each would hold a
+    # CUDA context on a GPU). Here one is busy in a hanging 'compile' when its parent dies.
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from workers.compile_ahead import CompileAhead\n"
+        "if __name__ == '__main__':\n"
+        "    ca = CompileAhead('cpu', 1, sys.path, ['plugins.faulty'])\n"
+        "    ca.submit({'op': 'gemm', 'problem': {'M': 8, 'N': 8, 'K': 8, 'dtype': 'fp32'}, 'impl': 'fault_hang', 'params': {'n': 1}})\n"
+        "    time.sleep(8)\n"
+        "    f = next(iter(ca.futures.values()))\n"
+        "    assert f.running() and not f.done(), f\n"
+        "    print(*[p.pid for p in ca.pool._processes.values()], flush=True)\n"
+        "    os._exit(0)\n"
+    )
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids, out.stderr
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), "a compile process outlived its parent"
