@@ -103,7 +103,7 @@ def test_conv2d_triton_default_output_format():
     pytest.importorskip("triton")
     spec, fn = get_op("conv2d"), get_impl("conv2d", "triton_implicit_gemm").fn
     problem = Conv2dProblem(1, 16, 6, 6, 32, 3, 3, 1, 1, 1, "nchw")
-    args, attrs = spec.make_inputs(problem, "cpu")
+    args, attrs = spec.make_inputs(problem, DEVICE)
     y = fn(*args, **attrs, **{**CONV_CFG, "layout": "nhwc"})
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert relative_error(y, spec.reference(*args, **attrs)) <= spec.tolerance("fp32")
