@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Tuning wall time with compile-ahead off and on, each with an empty Triton cache (one device call).
-#   carry [".whl"]; bash benchmarks/compile_ahead.sh [TRIALS]
+#   carry [".whl"]; bash benchmarks/compile_ahead.sh [TRIALS] ["0 4" compile-worker counts]
 set -u
 TRIALS=${1:-12}
+CWS=${2:-"0 4"}
 export PYTHONUNBUFFERED=1 RAY_DISABLE_USAGE_STATS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-for cw in 0 6; do
+for cw in $CWS; do
   export TRITON_CACHE_DIR=/tmp/triton-cache-$cw
   s=$(date +%s.%N)
   python3 -m tuner tune --device h200 --ops gemm,softmax --shapes benchmarks/shapes/compile_ahead.yaml --trials "$TRIALS" \

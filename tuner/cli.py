@@ -55,8 +55,8 @@ def tune_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, help="measuring actors (default: one per GPU; one for cpu)")
     ap.add_argument("--impls", help="comma-separated implementations to search (default: every one for the device)")
     ap.add_argument("--measure-budget", type=float, help="seconds of timing per trial (default 0.3 on cpu, 0.1 on GPUs)")
-    ap.add_argument("--compile-workers", type=int, default=0,
-                    help="Triton compile processes per GPU worker, compiling the next configurations ahead (default 0: off)")
+    ap.add_argument("--compile-workers", type=int,
+                    help="Triton compile processes per GPU worker, compiling the next configurations ahead (default 4 on GPUs; 0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plugin", action="append", default=[], help="module registering extra implementations (repeatable)")
     args = ap.parse_args(argv)

@@ -47,8 +47,9 @@ class TuneOptions:
     measure_budget_s: float = 0.3
     finalists: int = 3
     only_impls: list[str] = field(default_factory=list)  # search only these (vendors are always measured)
-    # Compile processes per GPU worker (0: off). Off by default: not yet measured on a GPU.
-    compile_workers: int = 0
+    # Compile processes per GPU worker, each compiling one asked-ahead configuration (0: off;
+    # None: 4 on GPUs, where Triton compiles in ~0.4 s what times in ~0.05 s; 0 on cpu).
+    compile_workers: int | None = None
     warm_start: bool = True
     command: str = ""
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
@@ -168,8 +169,9 @@ class Tuner:
         try:
             n = o.workers or placement.count()
             self.log(f"starting {n} measuring worker(s) for {o.device}")
+            cw = o.compile_workers if o.compile_workers is not None else (4 if self.backend == "cuda" else 0)
             self.pool = Pool(self.backend, n, accelerator_type=placement.accelerator_type, plugins=o.plugins,
-                             compile_workers=o.compile_workers)
+                             compile_workers=cw)
             t = time.monotonic()
             try:
                 return self._run()
@@ -329,8 +331,8 @@ class Tuner:
                 if job is None:
                     break
                 self.pool.submit(slot, job[3], job[0], job[1], job[2])
-            # compile ahead: one prepared measurement per worker, its kernels compiling while others are timed
-            while self.pool.compile_workers and len(ready) < len(self.pool.slots):
+            # compile ahead: one asked-ahead measurement per compile process, compiling while others are timed
+            while self.pool.compile_workers and len(ready) < len(self.pool.slots) * self.pool.compile_workers:
                 job = self._pick(active, out_of_time)
                 if job is None:
                     break
