@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -206,7 +207,7 @@ def replay(paths: list[str], seeds: int, within: float = 0.02, startup: int | No
 
     import kernel_space
     from kernel_space import get_op, problem_distance
-    from tuner.driver import _sampler, _suggest, narrow
+    from tuner.driver import REPEAT, _params_key, _sampler, _suggest, narrow, unseen_neighbour
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -247,19 +248,28 @@ def replay(paths: list[str], seeds: int, within: float = 0.02, startup: int | No
                     for cfg in seeds_cfg:
                         if _key(cfg) in table:
                             study.enqueue_trial({f"{impl.name}.{k}": v for k, v in cfg.items()})
-                seen, n, wall, hit = set(), 0, 0.0, None
-                for _ in range(50 * len(table)):
+                # as opsadv-tune does: a configuration proposed again is answered from its first
+                # measurement and not counted; the next trial is an unseen neighbour of it
+                seen, n, wall, hit, nxt = set(), 0, 0.0, None, None
+                rng = random.Random(seed)
+                for _ in range(20 * len(table)):
                     t0 = time.perf_counter()
+                    if nxt is not None:
+                        study.enqueue_trial({f"{impl.name}.{k}": v for k, v in nxt.items()})
+                        nxt = None
                     trial = study.ask()
                     _, params = _suggest(trial, [impl])
                     wall += time.perf_counter() - t0
-                    k = _key(params)
-                    c = table.get(k)
+                    c = table.get(_key(params))
                     if c is None:  # not a valid configuration: refused before any compile, as in opsadv-tune
                         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                         continue
-                    if k not in seen:
-                        seen.add(k)
+                    pk = _params_key(impl.name, params)
+                    if pk in seen:
+                        trial.set_user_attr(REPEAT, True)
+                        nxt = unseen_neighbour(impl, params, problem, backend, seen, rng)
+                    else:
+                        seen.add(pk)
                         n += 1
                         wall += c["cost_s"]
                     if c["status"] == "ok":
@@ -268,7 +278,7 @@ def replay(paths: list[str], seeds: int, within: float = 0.02, startup: int | No
                             hit = n
                     else:  # as opsadv-tune tells a failed trial
                         study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                    if hit is not None or len(seen) == len(table):
+                    if hit is not None or n >= len(table):
                         break
                 evals.append(hit if hit is not None else len(table))
                 walls.append(wall)

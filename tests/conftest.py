@@ -53,3 +53,12 @@ def cli(name: str, *args: str, env: dict | None = None, timeout: float = 600):
     """Run one of the project's command lines (as its console script would) in a subprocess."""
     code = f"import sys; from tuner.cli import {_ENTRY[name]} as m; sys.exit(m(sys.argv[1:]))"
     return run_cli("-c", code, *args, env=env, timeout=timeout)
+
+
+def counted(trial) -> bool:
+    """An Optuna trial that counts against --trials: neither invalid (pruned) nor a repeated proposal."""
+    import optuna
+
+    from tuner.driver import REPEAT
+
+    return trial.state != optuna.trial.TrialState.PRUNED and not trial.user_attrs.get(REPEAT)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import random
 import sys
 import time
 import warnings
@@ -68,7 +69,9 @@ class Task:
     vendors: deque
     seeds: deque
     budget: int
-    asked: int = 0  # configurations measured or answered from an earlier measurement (the budget)
+    asked: int = 0  # configurations measured (the budget); a repeat proposal is answered, not counted
+    repeats: int = 0
+    space: int = 0  # valid configurations over the tunables: once all are measured, the search is over
     in_flight: int = 0
     results: list[dict] = field(default_factory=list)  # ok results: impl, params, vendor, median_ms, spread_ms
     seen: dict[str, tuple[str, float | None]] = field(default_factory=dict)
@@ -86,6 +89,23 @@ class Task:
 
 def _params_key(impl: str, params: dict) -> str:
     return json.dumps([impl, sorted(params.items())], default=str)
+
+
+REPEAT = "opsadv_repeat"  # user attribute of an Optuna trial that proposed a configuration again
+
+
+def unseen_neighbour(impl: Any, params: dict, problem: Any, backend: str, seen: Any, rng: random.Random) -> dict | None:
+    """A valid configuration one parameter away from `params` that `seen` lacks, or None.
+
+    TPE over categorical spaces proposes measured configurations again (2 in 5 of its
+    proposals in replays of the H200 gemm sweep): the search goes on next to such a proposal.
+    """
+    cands = [{**params, k: c} for k, choices in impl.space.items() for c in choices if c != params[k]]
+    rng.shuffle(cands)
+    for cfg in cands:
+        if _params_key(impl.name, cfg) not in seen and impl.why_not(problem, cfg, backend) is None:
+            return cfg
+    return None
 
 
 def kernel_set_version(op: str, backend: str) -> str:
@@ -151,6 +171,7 @@ class Tuner:
         self.log = opts.log
         self.backend = "cpu" if opts.device == "cpu" else "cuda"
         self._rr = 0
+        self._rng = random.Random(opts.seed)
         self.stats: dict = {}  # after run(): wall_s and per worker slot busy_s, jobs, restarts (see Pool.stats)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -246,7 +267,8 @@ class Tuner:
             study = optuna.create_study(
                 study_name=name, storage=self.storage, direction="minimize", load_if_exists=True, sampler=_sampler(o.sampler, o.seed)
             )
-            task = Task(op, problem, name, pid, study, tunables, deque(), deque(), budget=o.trials)
+            task = Task(op, problem, name, pid, study, tunables, deque(), deque(), budget=o.trials,
+                        space=sum(t.why_not(problem, c, self.backend) is None for t in tunables for c in t.configs()))
             self._resume(task, done)
             measured_vendors = {r["impl"] for r in task.results if r["vendor"]}
             task.vendors.extend(v.name for v in vendors if v.name not in measured_vendors)
@@ -277,6 +299,9 @@ class Tuner:
                 continue
             elif t.state == TrialState.PRUNED:
                 task.pruned += 1
+                continue
+            elif t.user_attrs.get(REPEAT):
+                task.repeats += 1
                 continue
             task.asked += 1
         if rows or task.asked:
@@ -366,7 +391,8 @@ class Tuner:
         return not task.vendors and (out_of_time or self._spent(task))
 
     def _spent(self, task: Task) -> bool:
-        return (task.asked >= task.budget or task.pruned >= MAX_PRUNED * max(1, task.budget)) and not task.seeds
+        cap = MAX_PRUNED * max(1, task.budget)
+        return (task.asked >= min(task.budget, task.space) or task.pruned >= cap or task.repeats >= cap) and not task.seeds
 
     def _next_job(self, task: Task, out_of_time: bool):
         o = self.o
@@ -405,8 +431,15 @@ class Tuner:
             key = _params_key(name, params)
             if key in task.seen:
                 status, value = task.seen[key]
-                task.asked += status != PRUNED
-                task.pruned += status == PRUNED
+                if status == PRUNED:
+                    task.pruned += 1
+                else:
+                    task.repeats += 1
+                    trial.set_user_attr(REPEAT, True)
+                    tun = next(t for t in task.tunables if t.name == name)
+                    nb = unseen_neighbour(tun, params, task.problem, self.backend, task.seen, self._rng)
+                    if nb is not None and not task.seeds and task.asked < task.budget:
+                        task.seeds.append((name, nb))
                 self._tell(task, trial, status, value)
                 continue
             why = impl.why_not(task.problem, params, self.backend)
