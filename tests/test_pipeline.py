@@ -119,7 +119,8 @@ def test_cli_shapes_export_and_runtime_in_another_process(tmp_path):
 def test_sigint_mid_run_keeps_trials_and_resumes(tmp_path):
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     shapes = tmp_path / "s.json"
-    shapes.write_text(json.dumps({"gemm": [{"M": 64, "N": 64, "K": 64}, {"M": 128, "N": 64, "K": 64}]}))
+    # spaces larger than --trials (96 and 120 valid configurations on 2 cores), so the run is still going
+    shapes.write_text(json.dumps({"gemm": [{"M": 256, "N": 256, "K": 256}, {"M": 512, "N": 256, "K": 256}]}))
     args = ["--device", "cpu", "--ops", "gemm", "--shapes", str(shapes), "--trials", "40", "--db", url]
     code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
