@@ -126,16 +126,18 @@ def test_sigint_mid_run_keeps_trials_and_resumes(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
+    polled = []
     while time.time() < deadline:
         time.sleep(1)
         try:
-            if _count(url, db.Trial) >= 10:
+            polled.append(_count(url, db.Trial))
+            if polled[-1] >= 10:
                 break
-        except Exception:
-            pass
+        except Exception as exc:
+            polled.append(repr(exc)[:80])
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == 130, (polled, err[-2000:])
     assert "re-run the same command to resume" in err
     kept = _count(url, db.Trial)
     assert kept >= 10
