@@ -219,7 +219,7 @@ def test_node_loss_mid_run_loses_and_misrecords_nothing(cluster, tmp_path, spare
 
 @pytest.mark.parametrize("cluster", [0], ids=["head-without-cpus"], indirect=True)
 def test_losing_every_worker_node_ends_the_run_with_one_line(cluster, tmp_path):
-    p, url, log = _start_tune(cluster, tmp_path, [{"M": 64, "N": 64, "K": 64}], 40, workers=1)
+    p, url, log = _start_tune(cluster, tmp_path, [{"M": 64, "N": 64, "K": 64}], 40, workers=1, slow=True)
     stored = _stop_node_mid_run(cluster, p, url, log, 2)
     text = log()
     assert p.returncode == 2, text[-4000:]

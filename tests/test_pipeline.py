@@ -119,9 +119,10 @@ def test_cli_shapes_export_and_runtime_in_another_process(tmp_path):
 def test_sigint_mid_run_keeps_trials_and_resumes(tmp_path):
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     shapes = tmp_path / "s.json"
-    # spaces larger than --trials (96 and 120 valid configurations on 2 cores), so the run is still going
-    shapes.write_text(json.dumps({"gemm": [{"M": 256, "N": 256, "K": 256}, {"M": 512, "N": 256, "K": 256}]}))
-    args = ["--device", "cpu", "--ops", "gemm", "--shapes", str(shapes), "--trials", "40", "--db", url]
+    shapes.write_text(json.dumps({"gemm": [{"M": 64, "N": 64, "K": 64}, {"M": 128, "N": 64, "K": 64}]}))
+    # trials of ~0.5 s each (30 configurations per problem), so the run is surely still going when interrupted
+    args = ["--device", "cpu", "--ops", "gemm", "--shapes", str(shapes), "--trials", "40", "--db", url,
+            "--plugin", "plugins.slow", "--impls", "slow_matmul"]
     code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -137,7 +138,7 @@ def test_sigint_mid_run_keeps_trials_and_resumes(tmp_path):
             polled.append(repr(exc)[:80])
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, (polled, err[-2000:])
+    assert p.returncode == 130, (len(polled), polled[:3], polled[-5:], err[-3000:])
     assert "re-run the same command to resume" in err
     kept = _count(url, db.Trial)
     assert kept >= 10
