@@ -125,7 +125,10 @@ def test_sigint_mid_run_keeps_trials_and_resumes(tmp_path):
             "--plugin", "plugins.slow", "--impls", "slow_matmul"]
     code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    inherited = signal.getsignal(signal.SIGINT)
+    # Ctrl-C as a user's shell delivers it: an earlier test's tooling may leave SIGINT ignored, which a child inherits
+    p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     polled = []
     while time.time() < deadline:
@@ -138,7 +141,7 @@ def test_sigint_mid_run_keeps_trials_and_resumes(tmp_path):
             polled.append(repr(exc)[:80])
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, (len(polled), polled[:3], polled[-5:], err[-3000:])
+    assert p.returncode == 130, (inherited, len(polled), polled[-5:], err[-3000:])
     assert "re-run the same command to resume" in err
     kept = _count(url, db.Trial)
     assert kept >= 10
