@@ -1,8 +1,10 @@
 # Two commands do all the set-up on a fresh machine: `make tune` and `make test`.
 PYTHON ?= python3
 VENV   ?= .venv
-# The torch to install when the venv has none (here: the CPU build; on a GPU box, any CUDA build).
-TORCH  ?= torch==2.13.0
+# The torch (and the torchvision built for it) to install when the venv has none. A torchvision
+# built for another torch fails to import, so the two travel together.
+TORCH       ?= torch==2.14.1
+TORCHVISION ?= torchvision==0.29.1
 PY     := $(VENV)/bin/python
 
 .PHONY: tune test venv-tune venv-dev bench clean
@@ -16,7 +18,7 @@ venv-tune: $(PY)
 	$(PY) -m pip install -q -e ".[tune,postgres]"
 
 venv-dev: $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" "$(TORCHVISION)"
 	$(PY) -m pip install -q -e ".[tune,postgres,dev]"
 
 tune: venv-tune

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import timeit
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -27,7 +28,7 @@ def best_of(stmt, n: int, repeat: int = 15, g=None) -> float:
 def main() -> None:
     torch.set_num_threads(1)
     cases = [
-        ("gemm", (torch.randn(16, 64), torch.randn(64, 32)), {}, "cpu_blocked", {"block_m": 32, "block_n": 32, "block_k": 0, "threads": 1}),
+        ("gemm", (torch.randn(16, 64), torch.randn(64, 32)), {}, "cpu_blocked", {"block_m": 32, "block_n": 32, "block_k": 0}),
         ("gemm", (torch.randn(16, 64), torch.randn(64, 32)), {}, "torch_matmul", {}),
         ("attention", tuple(torch.randn(1, 1, 8, 16) for _ in range(3)), {"causal": False}, "sdpa", {}),
     ]
@@ -58,11 +59,55 @@ def main() -> None:
         rounds = [[timeit.timeit(st, number=n // 20, globals=g) / (n // 20) for st in stmts] for _ in range(25)]
         t_direct, t_op, t_disp = (min(r[i] for r in rounds) for i in range(3))
         rows.append((op, impl, lookup_ns, sig_ns, t_direct * 1e6, (t_op - t_direct) * 1e6, (t_disp - t_direct) * 1e6))
+    first_us = first_call_with_many_winners(20000)
+    first_dense_us = first_call_with_many_winners(20000, log_uniform=False)
     ops_adv.load_table("")
     print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, python {sys.version.split()[0]}")
     print(f"{'op':10} {'impl':13} {'lookup ns':>10} {'signature ns':>13} {'direct µs':>10} {'ops_adv.<op> +µs':>17} {'dispatch() +µs':>15}")
     for op, impl, lk, sg, d, o, di in rows:
         print(f"{op:10} {impl:13} {lk:10.0f} {sg:13.0f} {d:10.2f} {o:17.2f} {di:15.2f}")
+    print(f"first call of an untuned gemm shape with 20 000 winners loaded (nearest search, median of 200): "
+          f"{first_us:.1f} µs with sizes log-uniform over 1..8192, {first_dense_us:.1f} µs uniform (dense in the top octaves)")
+
+
+def first_call_with_many_winners(n: int, log_uniform: bool = True) -> float:
+    """Median µs to resolve a gemm problem the table lacks (nearest search) with `n` winners loaded.
+
+    Sizes are log-uniform over 1..8192 (a table spread over octaves), or uniform, which puts three
+    quarters of the winners within one octave of a typical query (the search's worst case).
+    """
+    import random
+
+    rng = random.Random(0)
+
+    def size() -> int:
+        return max(1, round(2 ** rng.uniform(0, 13))) if log_uniform else rng.randint(1, 8192)
+
+    spec = kernel_space.get_op("gemm")
+    version = kernel_space.get_impl("gemm", "torch_matmul").version
+    winners, seen = [], set()
+    while len(winners) < n:
+        p = (size(), size(), size(), "fp32", False, False)
+        if p not in seen:
+            seen.add(p)
+            winners.append({"op": "gemm", "problem": spec.problem._make(p)._asdict(), "impl": "torch_matmul", "params": {},
+                            "kernel_version": version, "median_ms": 1, "vendor_impl": "torch_matmul", "vendor_ms": 1, "speedup": 1})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "many.json")
+        with open(path, "w") as f:
+            json.dump({"format": _table.FORMAT, "format_version": _table.FORMAT_VERSION, "device_class": "cpu",
+                       "fingerprint": {}, "winners": winners, "checksum": _table.checksum(winners)}, f)
+        ops_adv.load_table(path)
+    dev = torch.device("cpu")
+    _dispatch.lookup("gemm", (7, 7, 7, "fp32", False, False), dev)  # builds the index once
+    times = []
+    for i in range(200):
+        prob = (size(), size(), size(), "fp32", False, False)
+        t0 = time.perf_counter()
+        _dispatch.lookup("gemm", prob, dev)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e6
 
 
 if __name__ == "__main__":

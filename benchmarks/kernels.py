@@ -5,6 +5,8 @@ One run measures the card's ceilings (device copy bandwidth, bf16 matmul peak), 
 each op and problem times every vendor candidate and a bounded sweep of each tuned
 (Triton on CUDA) implementation's space, checks the winners against the op's reference on
 fresh inputs, and writes DIR/<date>-<gpu>-kernels.json (everything) and .md (the table).
+Candidates are checked and timed as the tuner does it (workers.measure.Bench); this file
+keeps the problems, the sweep order, the targets and the report.
 
 The sweep tries, in order: the default config, the correct winners of earlier problems of
 the same implementation (warm start), then the rest of the space in a fixed shuffled order
@@ -28,7 +30,6 @@ import argparse
 import datetime
 import faulthandler
 import gc
-import inspect
 import json
 import math
 import platform
@@ -37,7 +38,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -46,8 +47,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import kernel_space  # noqa: E402
-from kernel_space import get_op, impls, relative_error  # noqa: E402
-from workers.timing import interleaved, time_fn  # noqa: E402
+from kernel_space import get_op, impls  # noqa: E402
+from workers.measure import CRASHED, OK, WRONG_RESULT, Bench, context_alive, short_error  # noqa: E402
+from workers.timing import time_fn  # noqa: E402
 
 NORM_OPS = ("layer_norm", "rms_norm", "softmax")  # always memory-bound
 BIG_NORM_ELEMENTS = 8 << 20  # the bandwidth target applies from 8M elements (rows * cols)
@@ -105,9 +107,8 @@ def fmt_ms(ms: float | None) -> str:
     return f"{ms:.4f}" if ms < 1 else f"{ms:.3f}"
 
 
-def short_error(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()][:3]  # Triton's first line is often a position
-    return f"{type(e).__name__}: {' / '.join(lines)}"[:300]
+def short(e: BaseException) -> str:
+    return short_error(e, 300, lines=3)  # Triton's first line is often a position
 
 
 def jsonable(x: Any) -> Any:
@@ -124,22 +125,6 @@ def jsonable(x: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- device
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def cuda_alive(dev: torch.device) -> bool:
-    if dev.type != "cuda":
-        return True
-    try:
-        torch.cuda.synchronize(dev)
-        torch.zeros(1, device=dev).add_(1).item()
-        return True
-    except Exception:
-        return False
 
 
 def device_class(dev: torch.device) -> str:
@@ -172,7 +157,7 @@ def device_info(dev: torch.device) -> dict:
         info["triton"] = triton.__version__
     except Exception as e:  # triton missing is data, not a crash
         info["triton"] = None
-        info["triton_error"] = short_error(e)
+        info["triton_error"] = short(e)
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         info.update(
@@ -201,7 +186,7 @@ def measure_ceilings(dev: torch.device) -> dict:
         out.update(copy_bytes=2 * n_bytes, copy_ms=t.median_ms, copy_gbps=2 * n_bytes / (t.median_ms * 1e-3) / 1e9)
         del src, dst
     except Exception as e:
-        out["copy_error"] = short_error(e)
+        out["copy_error"] = short(e)
     try:
         g = torch.Generator(device=dev).manual_seed(0)
         a = torch.randn(mm_n, mm_n, device=dev, dtype=mm_dtype, generator=g)
@@ -215,7 +200,7 @@ def measure_ceilings(dev: torch.device) -> dict:
         )
         del a, b
     except Exception as e:
-        out["matmul_error"] = short_error(e)
+        out["matmul_error"] = short(e)
     if out.get("copy_gbps") and out.get("matmul_tflops"):
         out["ridge_flop_per_byte"] = out["matmul_tflops"] * 1e12 / (out["copy_gbps"] * 1e9)
     gc.collect()
@@ -341,7 +326,7 @@ def problem_list(ops: list[str], dev_class: str, quick: bool, extras: bool) -> l
         try:
             defaults = list(spec.default_problems(cls))
         except Exception as e:
-            log(f"  note: {op}.default_problems({cls!r}) failed: {short_error(e)}")
+            log(f"  note: {op}.default_problems({cls!r}) failed: {short(e)}")
             defaults = []
         probs: list = []
         for p in defaults + (extra_problems(op, spec, defaults) if extras and cls != "cpu" and not quick else []):
@@ -359,41 +344,32 @@ def problem_list(ops: list[str], dev_class: str, quick: bool, extras: bool) -> l
 # --------------------------------------------------------------------------- candidates
 
 
-def failure_kind(e: BaseException, first_call: bool, dev: torch.device) -> str:
-    name, mod, msg = type(e).__name__, type(e).__module__, str(e)
-    if dev.type == "cuda" and not cuda_alive(dev):
-        return "crashed"
-    if "OutOfResources" in name or "out of resource" in msg.lower():
-        return "out_of_resources"
-    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in msg.lower():
-        return "oom"
-    if "Compil" in name or "CompilationError" in msg or "ptxas" in msg.lower() or (first_call and mod.startswith("triton")):
-        return "compile_error"
-    return "runtime_error"
-
-
-def run_candidate(impl: Any, params: dict, tensors: tuple, attrs: dict, dev: torch.device, args: Any) -> dict:
-    """First call (compile, warm-up; not timed), then time_fn.  Never raises."""
-    rec: dict[str, Any] = {"impl": impl.name, "vendor": impl.vendor, "config": dict(params), "status": "ok"}
-    fn = impl.bind(params)
-
-    def call() -> Any:
-        return fn(*tensors, **attrs)
-
-    t0 = time.perf_counter()
-    try:
-        call()
-        sync(dev)
-    except Exception as e:
-        rec.update(status=failure_kind(e, True, dev), error=short_error(e))
-        return rec
-    rec["first_call_s"] = round(time.perf_counter() - t0, 3)
-    try:
-        t = time_fn(call, device=dev, warmup=1, reps=args.reps, min_reps=5, budget_s=args.time_s, flush_l2=True)
-        rec.update(ms=t.median_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms, reps=t.reps)
-    except Exception as e:
-        rec.update(status=failure_kind(e, False, dev), error=short_error(e))
+def measure(bench: Bench, op: str, problem: Any, impl: Any, params: dict, args: Any) -> dict:
+    """One candidate measured as the tuner measures it: checked (its first call), then timed."""
+    res = bench.run({"op": op, "problem": problem._asdict(), "impl": impl.name, "params": params},
+                    budget_s=args.time_s, reps=args.reps, warmup=1)
+    rec: dict[str, Any] = {"impl": impl.name, "vendor": impl.vendor, "config": dict(params),
+                           "status": CRASHED if res["context_lost"] else res["status"]}
+    for k in ("error", "first_call_s"):
+        if res.get(k) is not None:
+            rec[k] = res[k]
+    if rec["status"] == OK:
+        rec.update(ms=res["median_ms"], q25_ms=res["q25_ms"], q75_ms=res["q75_ms"], reps=res["reps"])
+    if res.get("rel_error") is not None:
+        rec["rel_err"] = res["rel_error"]
     return rec
+
+
+def check(bench: Bench, op: str, problem: Any, r: dict, tol: float) -> dict:
+    """The tuner's correctness gate on fresh inputs (seed 1), as the report's check record."""
+    res = bench.check({"op": op, "problem": problem._asdict(), "impl": r["impl"], "params": r["config"]}, seed=1)
+    c: dict[str, Any] = {"ok": res["status"] == OK, "rel_err": res.get("rel_error"), "tol": tol,
+                         "poisoned_out": res.get("poisoned_out", False)}
+    if res["status"] not in (OK, WRONG_RESULT):
+        c.update(error=res["error"], kind=CRASHED if res["context_lost"] else res["status"])
+    if res.get("note"):
+        c["note"] = res["note"]
+    return c
 
 
 _ORDER_CACHE: dict[str, list[dict]] = {}
@@ -439,7 +415,7 @@ def remember_winners(recs: list[dict]) -> None:
             seen.append(r["config"])
 
 
-def sweep_impl(impl, problem, tensors, attrs, dev, backend, args, deadline: float) -> tuple[list[dict], dict]:
+def sweep_impl(bench: Bench, op: str, impl, problem, backend, args, deadline: float) -> tuple[list[dict], dict]:
     base = config_order(impl)
     seeds = [c for c in _WINNERS.get(impl.name, [])[-MAX_SEEDS:] if c != base[0]]
     order = base[:1] + seeds + [c for c in base[1:] if c not in seeds]
@@ -472,70 +448,13 @@ def sweep_impl(impl, problem, tensors, attrs, dev, backend, args, deadline: floa
         if i > 0 and time.perf_counter() > deadline:
             info["budget_exhausted"] = True
             break
-        r = run_candidate(impl, c, tensors, attrs, dev, args)
+        r = measure(bench, op, problem, impl, c, args)
         recs.append(r)
         if r["status"] == "crashed":
             break
     info["swept"] = len(recs)
     info["sweep_s"] = round(time.perf_counter() - t_start, 2)
     return recs, info
-
-
-# --------------------------------------------------------------------------- correctness
-
-
-def accepts_out(impl: Any) -> bool:
-    try:
-        return "out" in inspect.signature(impl.fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def poison_allocator(ref: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> None:
-    """Leave a NaN-filled block in the caching allocator so an output allocated from it and
-    not fully written shows up as NaN."""
-    if dev.type != "cuda" or not dtype.is_floating_point:
-        return
-    torch.full((ref.numel(),), float("nan"), dtype=dtype, device=dev)
-
-
-def first_tensor(x: Any) -> Any:
-    return x[0] if isinstance(x, (tuple, list)) and x else x
-
-
-def check(impl, params, check_in: tuple, ref: Any, tol: float, dev: torch.device) -> dict:
-    """Relative error of one candidate on fresh inputs; the output is poisoned first."""
-    tensors, attrs = check_in
-    fn = impl.bind(params)
-    out_dtype = tensors[0].dtype if tensors and torch.is_tensor(tensors[0]) else torch.float32
-    note = None
-    try:
-        errs = []
-        used_out = False
-        if accepts_out(impl) and torch.is_tensor(ref):
-            poisoned = torch.full(ref.shape, float("nan"), dtype=out_dtype, device=dev)
-            try:
-                res = fn(*tensors, out=poisoned, **attrs)
-                sync(dev)
-                used_out = True
-                errs.append(relative_error(poisoned, ref))
-                if res is not None and res is not poisoned:
-                    errs.append(relative_error(first_tensor(res), ref))
-            except Exception as e:
-                note = f"out= rejected ({short_error(e)[:120]}); checked without it"
-        if not used_out:
-            if torch.is_tensor(ref):
-                poison_allocator(ref, out_dtype, dev)
-            res = fn(*tensors, **attrs)
-            sync(dev)
-            errs.append(relative_error(first_tensor(res), ref))
-        err = max(errs)
-        r = {"ok": err <= tol, "rel_err": err, "tol": tol, "poisoned_out": used_out}
-    except Exception as e:
-        r = {"ok": False, "rel_err": None, "tol": tol, "error": short_error(e), "kind": failure_kind(e, False, dev)}
-    if note:
-        r["note"] = note
-    return r
 
 
 # --------------------------------------------------------------------------- metrics, targets
@@ -547,7 +466,7 @@ def perf(spec, problem, ms: float | None, ceil: dict, op: str) -> dict:
     try:
         flops, nbytes = float(spec.flops(problem)), float(spec.bytes_moved(problem))
     except Exception as e:
-        return {"error": short_error(e)}
+        return {"error": short(e)}
     s = ms * 1e-3
     d = {"tflops": flops / s / 1e12, "gbps": nbytes / s / 1e9}
     ai = flops / nbytes if nbytes else float("inf")
@@ -621,7 +540,7 @@ def target(op: str, p: Any, spec: Any, row: dict) -> dict | None:
 # --------------------------------------------------------------------------- one problem
 
 
-def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: Any, budget_s: float, ceil: dict) -> dict:
+def bench_problem(bench: Bench, op: str, problem: Any, backend: str, args: Any, budget_s: float, ceil: dict) -> dict:
     spec = get_op(op)
     t_problem = time.perf_counter()
     row: dict[str, Any] = {"op": op, "problem": problem._asdict(), "problem_str": fmt_problem(problem), "budget_s": round(budget_s, 2)}
@@ -636,7 +555,7 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
             try:
                 why = i.why_not(problem, None, backend)
             except Exception as e:
-                why = f"check raised {short_error(e)}"
+                why = f"check raised {short(e)}"
             if why:
                 refused[i.name] = why
     row["impl_refused"] = refused
@@ -644,9 +563,9 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
     row["tuned_impls"] = [i.name for i in tuned]
 
     try:
-        tensors, attrs = spec.make_inputs(problem, dev, seed=0)
+        bench.inputs(op, problem)  # the inputs every candidate is checked and timed on, and their reference
     except Exception as e:
-        row.update(status="inputs_failed", error=short_error(e))
+        row.update(status="inputs_failed", error=short(e))
         return row
 
     # Vendors: every valid config (their spaces are tiny), no sweep budget.
@@ -664,7 +583,7 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
             except Exception:
                 continue
             n += 1
-            cands.append(run_candidate(impl, c, tensors, attrs, dev, args))
+            cands.append(measure(bench, op, problem, impl, c, args))
 
     # Tuned implementations: the budget is split over them as they go.
     impl_info: dict[str, dict] = {}
@@ -672,7 +591,7 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
     for k, impl in enumerate(tuned):
         left = budget_s - (time.perf_counter() - start)
         deadline = time.perf_counter() + max(0.0, left) / (len(tuned) - k)
-        recs, info = sweep_impl(impl, problem, tensors, attrs, dev, backend, args, deadline)
+        recs, info = sweep_impl(bench, op, impl, problem, backend, args, deadline)
         cands += recs
         impl_info[impl.name] = info
         if info["pruned"]:
@@ -692,18 +611,16 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
     # Correctness on fresh inputs: every vendor, and tuned configs fastest first until two
     # pass (the winner and a runner-up for the re-timing), so a wrong winner falls back.
     ok = sorted((r for r in cands if r["status"] == "ok"), key=lambda r: r["ms"])
-    by_name = {i.name: i for i in all_impls}
     best_vendor = best_tuned = None
     passed_tuned: list[dict] = []
     if not crashed and ok:
         try:
-            check_in = spec.make_inputs(problem, dev, seed=1)
-            ref = spec.reference(*check_in[0], **check_in[1])
-            sync(dev)
+            bench.inputs(op, problem, seed=1)
+            unchecked = False
         except Exception as e:
-            check_in = ref = None
-            notes.append(f"reference failed, results unchecked: {short_error(e)}")
-        if ref is None:
+            unchecked = True
+            notes.append(f"reference failed, results unchecked: {short(e)}")
+        if unchecked:
             row["unchecked"] = True
             best_vendor = next((r for r in ok if r["vendor"]), None)
             passed_tuned = [r for r in ok if not r["vendor"]][:2]
@@ -713,8 +630,7 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
             for r in ok:
                 if not r["vendor"] and (len(passed_tuned) >= 2 or n_checked >= MAX_CHECKS):
                     continue
-                res = check(by_name[r["impl"]], r["config"], check_in, ref, tol, dev)
-                r["check"] = res
+                res = r["check"] = check(bench, op, problem, r, tol)
                 n_checked += not r["vendor"]
                 if res["ok"]:
                     if r["vendor"]:
@@ -722,12 +638,11 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
                     else:
                         passed_tuned.append(r)
                     continue
-                r["status"] = "wrong_result" if res.get("rel_err") is not None else res.get("kind", "runtime_error")
+                r["status"] = res.get("kind", WRONG_RESULT)
                 count(r)
                 if r["status"] == "crashed":
                     crashed = True
                     break
-        del check_in, ref
         wrong = [r for r in ok if not r["vendor"] and r["status"] != "ok"]
         row["wrong_tuned"] = len(wrong)
         if wrong and (not passed_tuned or wrong[0]["ms"] < passed_tuned[0]["ms"]):
@@ -737,19 +652,16 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
     # Final: best vendor and the two best correct tuned configs, re-timed interleaved.
     if not crashed:
         entries = ([best_vendor] if best_vendor else []) + passed_tuned[:2]
-        fns: dict[str, Callable[[], Any]] = {}
-        for j, r in enumerate(entries):
-            fn = by_name[r["impl"]].bind(r["config"])
-            fns[str(j)] = (lambda fn=fn: fn(*tensors, **attrs))
-        if fns:
+        if entries:
             try:
-                tt = interleaved(fns, device=dev, rounds=args.rounds, warmup=1, reps=args.reps, min_reps=5,
-                                 budget_s=min(args.time_s, 0.15), flush_l2=True)
+                tt = bench.confirm(op, problem._asdict(),
+                                   [{"key": str(j), "impl": r["impl"], "params": r["config"]} for j, r in enumerate(entries)],
+                                   rounds=args.rounds, budget_s=min(args.time_s, 0.15), reps=args.reps, warmup=1)
                 for j, r in enumerate(entries):
-                    r["final_ms"] = tt[str(j)].median_ms
-                    r["final"] = tt[str(j)].as_dict()
+                    r["final_ms"] = tt[str(j)]["median_ms"]
+                    r["final"] = tt[str(j)]
             except Exception as e:
-                notes.append(f"final re-timing failed: {short_error(e)}")
+                notes.append(f"final re-timing failed: {short(e)}")
         if passed_tuned:
             best_tuned = min(passed_tuned, key=lambda r: r.get("final_ms", r["ms"]))
             if not row.get("unchecked"):
@@ -778,7 +690,6 @@ def bench_problem(op: str, problem: Any, dev: torch.device, backend: str, args: 
     row["candidates"] = cands
     row["crashed"] = crashed
     row["elapsed_s"] = round(time.perf_counter() - t_problem, 2)
-    del tensors, attrs
     return row
 
 
@@ -951,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": [],
     }
     out_dir = Path(args.out)
+    bench = Bench(str(dev))
     sweep_left = args.total_budget_s
     for n, (op, p) in enumerate(problems):
         if elapsed() > args.deadline_s:
@@ -960,12 +872,13 @@ def main(argv: list[str] | None = None) -> int:
         weights = [weight(o, q) for o, q in problems[n:]]
         budget = max(0.0, min(args.budget_s, sweep_left * weights[0] / sum(weights)))
         try:
-            row = bench_problem(op, p, dev, backend, args, budget, ceil)
+            row = bench_problem(bench, op, p, backend, args, budget, ceil)
         except Exception as e:  # a bug in one problem's bookkeeping must not lose the run
             row = {"op": op, "problem": p._asdict(), "problem_str": fmt_problem(p), "status": "benchmark_error",
-                   "error": short_error(e)}
+                   "error": short(e)}
         sweep_left -= row.get("sweep_s", 0.0)
         report["problems"].append(row)
+        bench.clear()
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -973,8 +886,8 @@ def main(argv: list[str] | None = None) -> int:
             log(progress_line(n, len(problems), row))
             write_outputs(out_dir, stem, report, tuned_label)
         except Exception as e:  # reporting must not stop the measuring
-            log(f"  (could not report {op} {fmt_problem(p)}: {short_error(e)})")
-        if row.get("crashed") or (dev.type == "cuda" and not cuda_alive(dev)):
+            log(f"  (could not report {op} {fmt_problem(p)}: {short(e)})")
+        if row.get("crashed") or (dev.type == "cuda" and not context_alive(dev)):
             report["skipped"] = [{"op": o, "problem": q._asdict(), "why": "CUDA context lost"} for o, q in problems[n + 1:]]
             log("CUDA context lost (a kernel crashed): stopping; results so far are written")
             break
@@ -982,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         jp, mp = write_outputs(out_dir, stem, report, tuned_label)
     except Exception as e:
-        jp = mp = f"(not written: {short_error(e)})"
+        jp = mp = f"(not written: {short(e)})"
     faulthandler.cancel_dump_traceback_later()
     c = ceil
     log("")

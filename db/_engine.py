@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernel_space import OpsAdvError
+from ops_adv._table import redact, short
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -28,9 +28,30 @@ def default_url() -> str:
     return f"sqlite:///{base / 'tuning.db'}"
 
 
-def redact(url: str) -> str:
-    """The URL with any password replaced by ***."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+def _url_error(url: str, why: str, fix: str) -> "DatabaseError":
+    return DatabaseError(f"{why} ({redact(url)}); {fix}")
+
+
+def classify(e: BaseException, url: str, doing: str = "use") -> "DatabaseError":
+    """One line with the fix for a driver or migration error (never the driver's multi-line text)."""
+    orig = getattr(e, "orig", None) or e
+    reason = redact(str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__, url)[:200]
+    low = reason.lower()
+    sqlite = normalize(url).startswith("sqlite")
+    where = f"database {redact(url)}"
+    if "file is not a database" in low or "database disk image is malformed" in low:
+        return DatabaseError(f"{where} is not an SQLite database (or is damaged); pass --db with another path, or move the file away")
+    if "readonly" in low or "read-only" in low or "read only" in low:
+        return DatabaseError(f"{where} is read-only ({reason}); tuning writes to it: pass --db with a writable database")
+    if sqlite and ("unable to open" in low or "disk i/o" in low or "permission" in low):
+        return DatabaseError(f"cannot open {where}: {reason}; check that the path and its folder exist and are writable")
+    if "password authentication" in low or "authentication failed" in low or "no password supplied" in low:
+        return DatabaseError(f"cannot log in to {where}: {reason}; check the user name and password")
+    if "does not exist" in low and "database" in low:
+        return DatabaseError(f"cannot {doing} {where}: {reason}; create the database first (createdb)")
+    if not sqlite and ("connection" in low or "connect" in low or "timeout" in low or "resolve" in low or "host" in low):
+        return DatabaseError(f"cannot reach {where}: {reason}; check the URL and that the server is running")
+    return DatabaseError(f"cannot {doing} {where}: {reason}")
 
 
 def normalize(url: str) -> str:
@@ -40,30 +61,50 @@ def normalize(url: str) -> str:
     if scheme in ("postgres", "postgresql"):
         return f"postgresql+psycopg://{rest}"
     if not (scheme.startswith("sqlite") or scheme.startswith("postgresql")):
-        raise DatabaseError(f"unsupported database URL scheme {scheme!r} in {redact(url)}; use sqlite:///PATH or postgresql://USER@HOST/DB")
+        raise DatabaseError(f"unsupported database URL scheme {short(scheme, 30)} in {redact(url)[:200]}; use sqlite:///PATH or postgresql://USER@HOST/DB")
     return url
+
+
+def check_url(url: str):
+    """The parsed URL, or a one-line DatabaseError (scheme, syntax, a non-numeric port); connects to nothing."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    url = normalize(url)
+    try:
+        parsed = make_url(url)
+    except ValueError:
+        raise _url_error(url, "bad database URL: its port is not a number", "write postgresql://USER@HOST:5432/DB") from None
+    except ArgumentError:
+        raise _url_error(url, "bad database URL", "write sqlite:///PATH or postgresql://USER@HOST[:PORT]/DB") from None
+    return parsed
 
 
 def make_engine(url: str, *, create_dir: bool = True) -> "Engine":
     from sqlalchemy import create_engine, event, text
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
     url = normalize(url)
+    parsed = check_url(url)
     if url.startswith("sqlite:///") and create_dir:
-        path = url[len("sqlite:///"):]
-        if path and path != ":memory:":
+        path = parsed.database or ""
+        if path and path != ":memory:" and not path.startswith("file:"):
+            if os.path.exists(path) and not os.path.isfile(path):
+                raise DatabaseError(f"database {redact(url)} is not a file; pass --db with the path of an SQLite file")
             try:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise DatabaseError(f"cannot create the folder for {path}: {e.strerror}; pass --db with a writable path") from None
+                raise DatabaseError(f"cannot create the folder for {redact(path)}: {e.strerror}; pass --db with a writable path") from None
     try:
         kw = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
         engine = create_engine(url, **kw)
     except (ArgumentError, NoSuchModuleError) as e:
         hint = "; install the postgres extra: pip install 'ops-adv[postgres]'" if "psycopg" in str(e) else ""
-        raise DatabaseError(f"bad database URL {redact(url)}: {str(e).splitlines()[0]}{hint}") from None
+        raise DatabaseError(f"bad database URL {redact(url)}: {redact(str(e).splitlines()[0], url)[:200]}{hint}") from None
     except ModuleNotFoundError as e:
         raise DatabaseError(f"no driver for {redact(url)} ({e.name} missing); install the postgres extra: pip install 'ops-adv[postgres]'") from None
+    except (ValueError, TypeError) as e:
+        raise _url_error(url, f"bad database URL: {redact(str(e), url)[:120]}", "check its query parameters") from None
     if url.startswith("sqlite"):
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _rec):  # WAL: the tuner writes while optuna reads
@@ -74,9 +115,8 @@ def make_engine(url: str, *, create_dir: bool = True) -> "Engine":
     try:
         with engine.connect() as conn:
             conn.execute(text("select 1"))
-    except OperationalError as e:
-        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e).splitlines()[0]
-        raise DatabaseError(f"cannot reach database {redact(url)}: {redact(reason)}; check the URL and that the server is running") from None
+    except (SQLAlchemyError, OSError, ValueError, TypeError) as e:
+        raise classify(e, url, "open") from None
     return engine
 
 
@@ -91,19 +131,32 @@ def _alembic_config(engine: "Engine"):
 
 def upgrade(engine: "Engine", revision: str = "head") -> None:
     from alembic import command
+    from alembic.util.exc import CommandError
+    from sqlalchemy.exc import SQLAlchemyError
 
+    url = engine.url.render_as_string(hide_password=False)
+    _refuse_unknown(engine, url)
     cfg = _alembic_config(engine)
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+    except CommandError as e:
+        raise DatabaseError(f"cannot migrate database {redact(url)}: {redact(str(e), url)[:200]}") from None
+    except SQLAlchemyError as e:
+        raise classify(e, url, "migrate") from None
 
 
 def current(engine: "Engine") -> str | None:
     from alembic.runtime.migration import MigrationContext
+    from sqlalchemy.exc import SQLAlchemyError
 
-    with engine.connect() as conn:
-        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-        return ctx.get_current_revision()
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+            return ctx.get_current_revision()
+    except SQLAlchemyError as e:
+        raise classify(e, engine.url.render_as_string(hide_password=False), "read") from None
 
 
 def head() -> str:
@@ -112,8 +165,41 @@ def head() -> str:
     return ScriptDirectory(str(MIGRATIONS)).get_current_head()
 
 
+def known(revision: str) -> bool:
+    from alembic.script import ScriptDirectory
+
+    try:
+        return ScriptDirectory(str(MIGRATIONS)).get_revision(revision) is not None
+    except Exception:
+        return False
+
+
+def _refuse_unknown(engine: "Engine", url: str) -> None:
+    """A schema newer than this code, or ops-adv tables without their version table: no migration fixes these."""
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import SQLAlchemyError
+
+    cur = current(engine)
+    if cur is not None and not known(cur):
+        raise DatabaseError(
+            f"database {redact(url)} is at schema {cur[:40]}, newer than this ops-adv (head {head()}); "
+            f"upgrade ops-adv (pip install -U ops-adv) or pass --db with another database"
+        )
+    if cur is None:
+        try:
+            names = inspect(engine).get_table_names()
+        except SQLAlchemyError as e:
+            raise classify(e, url, "read") from None
+        if any(n.startswith("opsadv_") and n != VERSION_TABLE for n in names):
+            raise DatabaseError(
+                f"database {redact(url)} has ops-adv tables but no {VERSION_TABLE} table, so its schema is unknown; "
+                f"pass --db with another database, or move this one away and tune again"
+            )
+
+
 def check_schema(engine: "Engine", url: str) -> None:
     """Refuse a database whose schema is not at head, naming the command that fixes it."""
+    _refuse_unknown(engine, url)
     cur, want = current(engine), head()
     if cur != want:
         raise DatabaseError(
@@ -122,11 +208,25 @@ def check_schema(engine: "Engine", url: str) -> None:
         )
 
 
+def check_writable(engine: "Engine", url: str) -> None:
+    """Refuse a read-only database now, not at the first stored trial."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        with engine.connect() as conn:
+            conn.execute(text(f"update {VERSION_TABLE} set version_num = version_num"))
+            conn.rollback()
+    except SQLAlchemyError as e:
+        raise classify(e, url, "write to") from None
+
+
 def open_db(url: str, *, migrate: bool = True) -> "Engine":
     """Engine for `url`, migrated to head when `migrate` (a fresh SQLite file is created)."""
     engine = make_engine(url)
     if migrate:
         upgrade(engine)
+        check_writable(engine, url)
     else:
         check_schema(engine, url)
     return engine

@@ -44,6 +44,9 @@ class Run(Base):
     status: Mapped[str] = mapped_column(String(32), default="running")  # running, finished, interrupted, failed
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # a live run renews it
 
 
 class Trial(Base):
@@ -87,4 +90,18 @@ class Winner(Base):
     vendor_ms: Mapped[float] = mapped_column(Float)
     speedup: Mapped[float] = mapped_column(Float)
     trials: Mapped[int] = mapped_column(Integer, default=0)
+    # threads, torch, triton, cuda, cudnn, cublas, driver, sm_clock_mhz, power_limit_w, ecc: what it was measured under
+    conditions: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class Lease(Base):
+    """One tuner process holds a problem at a time; it renews `expires_at`, and an expired lease is taken over."""
+
+    __tablename__ = "opsadv_leases"
+    __table_args__ = (UniqueConstraint("device_class", "problem_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_class: Mapped[str] = mapped_column(String(64))
+    problem_id: Mapped[int] = mapped_column(ForeignKey("opsadv_problems.id"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("opsadv_runs.id"), index=True)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,4 +1,11 @@
-"""Every op ops-adv tunes: problem signatures, references, implementations and their spaces."""
+"""Every op ops-adv tunes: problem signatures, references, implementations and their spaces.
+
+One package per op (`gemm/`, `attention/`, ...), each with the same files: `problem.py`
+(signature, inputs, reference), `vendor.py` (the vendor kernels), `cpu.py` (CPU variants,
+where the op has any), `triton.py` (space, validity check, launch wrapper) and `_kernels.py`
+(the `@triton.jit` code and its launch, imported on the first call). Shared pieces live here:
+the registry, kernel versions, device classes, dtype helpers, Hopper budgets, row-wise scaffolding.
+"""
 from __future__ import annotations
 
 from ._registry import (
@@ -17,12 +24,12 @@ from ._registry import (
     problem_key,
     register_impl,
     register_op,
+    register_triton,
+    register_vendor,
     unregister_impl,
 )
 from ._common import relative_error
-from . import gemm, attention  # noqa: F401  (registers the ops)
-from . import norm, softmax, conv2d  # noqa: F401
-from . import gemm_triton, attention_triton  # noqa: F401
+from . import gemm, attention, layer_norm, rms_norm, softmax, conv2d  # noqa: F401  (register the ops)
 
 __all__ = [
     "Impl",
@@ -40,6 +47,8 @@ __all__ = [
     "problem_key",
     "register_impl",
     "register_op",
+    "register_triton",
+    "register_vendor",
     "relative_error",
     "unregister_impl",
 ]

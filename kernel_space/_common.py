@@ -1,8 +1,5 @@
-"""Helpers shared by the op modules: dtype codes, errors, thread counts."""
+"""Helpers shared by the op modules: dtype codes, tolerances, errors, inputs."""
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
 
 import torch
 
@@ -48,33 +45,26 @@ def generator(seed: int) -> torch.Generator:
     return g
 
 
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """Run the block with `n` intra-op threads (0 keeps the current setting)."""
-    if not n:
-        yield
-        return
-    old = torch.get_num_threads()
-    if n == old:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def cpu_thread_choices() -> tuple[int, ...]:
-    import os
-
-    n = os.cpu_count() or 1
-    choices = sorted({1, max(1, n // 2), n})
-    return tuple(choices)
-
-
 def pow2_at_least(x: int, lo: int = 16) -> int:
     p = lo
     while p < x:
         p *= 2
     return p
+
+
+_DTYPE_SPELLINGS = {
+    "fp16": ("fp16", "float16", "half", "f16"),
+    "bf16": ("bf16", "bfloat16"),
+    "fp32": ("fp32", "float32", "float", "f32"),
+}
+_DTYPE_ALIASES = {s: code for code, names in _DTYPE_SPELLINGS.items() for s in names}
+
+
+def canonical_dtype(name: object) -> str | None:
+    """fp16/bf16/fp32 for a spelling such as `float16`, `half`, `BF16`, `torch.bfloat16` (or a torch.dtype); else None."""
+    if isinstance(name, torch.dtype):
+        return DTYPE_CODE.get(name)
+    if not isinstance(name, str):
+        return None
+    text = name.strip().lower()
+    return _DTYPE_ALIASES.get(text[6:] if text.startswith("torch.") else text)

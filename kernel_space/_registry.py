@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import itertools
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple
 
@@ -51,6 +49,15 @@ class OpSpec:
     size_fields: tuple[str, ...]  # numeric fields used for nearest-problem distance
     default_problems: Callable[[str], list]
     choices: Mapping[str, tuple] = field(default_factory=dict)  # allowed values of categorical fields
+    # Dims that stream in production (tokens, batch, decode length): bucketed for the table and for tuning.
+    streaming: tuple[str, ...] = ()
+
+    def bucket(self, problem: tuple) -> tuple:
+        """`problem` with its streaming dims rounded up to their bucket (see `bucket_dim`)."""
+        if not self.streaming:
+            return problem
+        fields = self.problem._fields
+        return tuple(bucket_dim(v) if f in self.streaming else v for f, v in zip(fields, problem))
 
     def parse_problem(self, data: Mapping[str, Any]) -> Any:
         fields = self.problem._fields
@@ -72,6 +79,10 @@ class OpSpec:
                     raise OpsAdvError(f"{self.name} problem field {f}={v!r} must be a positive integer")
             elif isinstance(default, bool) and not isinstance(v, bool):
                 raise OpsAdvError(f"{self.name} problem field {f}={v!r} must be true or false")
+            if f == "dtype":
+                from ._common import canonical_dtype
+
+                v = canonical_dtype(v) or v  # float16, half, torch.bfloat16, FP32, ... as fp16/bf16/fp32
             allowed = self.choices.get(f, ("fp16", "bf16", "fp32") if f == "dtype" else None)
             if allowed is not None and v not in allowed:
                 raise OpsAdvError(f"{self.name} problem field {f}={v!r} must be one of {', '.join(map(str, allowed))}")
@@ -90,7 +101,6 @@ class Impl:
     vendor: bool
     check: Check | None
     requires: tuple[str, ...]
-    module: str
 
     @functools.cached_property
     def unavailable(self) -> str | None:
@@ -102,17 +112,11 @@ class Impl:
 
     @functools.cached_property
     def version(self) -> str:
-        """Hash of the source this implementation runs and of its parameter space.
+        """Hash of what this implementation runs: its launch function, the kernels and helpers
+        that reaches, its parameter space and validity check (see `_version`)."""
+        from ._version import impl_version
 
-        The registering module and the package modules it imports (one level: kernel
-        modules loaded lazily, shared checks) are hashed, so editing a kernel makes its
-        stored winners stale.
-        """
-        h = hashlib.sha256()
-        for text in _sources(self.module):
-            h.update(text)
-        h.update(repr((self.op, self.name, sorted((k, tuple(v)) for k, v in self.space.items()))).encode())
-        return h.hexdigest()[:16]
+        return impl_version(self)
 
     def why_not(self, problem: Any, params: Params | None = None, backend: str | None = None) -> str | None:
         """Reason this implementation cannot run `problem` with `params`, or None."""
@@ -137,35 +141,17 @@ class Impl:
         return functools.partial(self.fn, **params) if params else self.fn
 
 
-@functools.lru_cache(maxsize=None)
-def _sources(module: str) -> tuple[bytes, ...]:
-    import os
-    import re
-
-    mod = sys.modules.get(module)
-    path = getattr(mod, "__file__", None)
-    if not path:
-        return ()
-    with open(path, "rb") as f:
-        main = f.read()
-    folder = os.path.dirname(path)
-    names = set()
-    for m in re.finditer(rb"^\s*from \.(\w*) import ([\w, ]+)", main, re.MULTILINE):
-        if m.group(1):
-            names.add(m.group(1).decode())
-        else:
-            names.update(n.strip() for n in m.group(2).decode().split(",") if n.strip())
-    out = [main]
-    for name in sorted(names):
-        p = os.path.join(folder, name + ".py")
-        if os.path.exists(p):
-            with open(p, "rb") as f:
-                out.append(f.read())
-    return tuple(out)
-
-
 _OPS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, dict[str, Impl]] = {}
+
+
+def bucket_dim(v: int) -> int:
+    """Values up to 16 stay exact; larger ones round up to a multiple of a quarter of their
+    power-of-two octave (at most 25% padding; a stream over 1..131072 meets 68 buckets)."""
+    if v <= 16:
+        return v
+    step = 1 << (v.bit_length() - 3)
+    return -(-v // step) * step
 
 
 def register_op(spec: OpSpec) -> OpSpec:
@@ -205,12 +191,43 @@ def register_impl(
             vendor=vendor,
             check=check,
             requires=tuple(requires),
-            module=fn.__module__,
         )
         _IMPLS[op][impl.name] = impl
         return fn
 
     return deco
+
+
+def register_vendor(op: str, name: str, *, priority: int = 100, backends: tuple[str, ...] = ("cpu", "cuda"),
+                    check: Check | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a vendor kernel (what the caller gets without ops-adv): the baseline every tuned one must beat."""
+    return register_impl(op, name=name, priority=priority, backends=backends, vendor=True, check=check)
+
+
+def register_triton(op: str, name: str, *, space: Mapping[str, tuple], check: Check,
+                    priority: int = 50) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a Triton implementation: CUDA only, tuned over `space`, reported unavailable without triton."""
+    return register_impl(op, name=name, priority=priority, backends=("cuda",), space=space, check=check,
+                         requires=("triton",))
+
+
+class LazyModule:
+    """A module imported on first attribute access, so that `import kernel_space` needs no triton.
+
+    The first access copies the module's names onto this object: later lookups are plain
+    attribute reads (an import statement in the wrapper cost about a microsecond a call).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.__dict__["_lazy_name"] = name
+
+    def load(self) -> Any:
+        return importlib.import_module(self._lazy_name)
+
+    def __getattr__(self, attr: str) -> Any:
+        mod = self.load()
+        self.__dict__.update(vars(mod))
+        return getattr(mod, attr)
 
 
 def unregister_impl(op: str, name: str) -> None:
@@ -269,13 +286,15 @@ def problem_key(problem: NamedTuple) -> str:
 
 
 def problem_distance(spec: OpSpec, a: tuple, b: tuple) -> float | None:
-    """Σ |log2(a_i / b_i)| over the size fields, or None when a non-size field differs."""
+    """Σ |log2(a_i / b_i)| over the size fields, or None when a non-size field differs or a size is 0."""
     import math
 
     fields = spec.problem._fields
     d = 0.0
     for i, f in enumerate(fields):
         if f in spec.size_fields:
+            if a[i] <= 0 or b[i] <= 0:
+                return None
             d += abs(math.log2(a[i] / b[i]))
         elif a[i] != b[i]:
             return None

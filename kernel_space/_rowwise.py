@@ -1,6 +1,6 @@
-"""What the row-wise ops (layer_norm, rms_norm, softmax) share: problems, Triton space, checks, launch geometry.
+"""What the row-wise ops (layer_norm, rms_norm, softmax) share: problems, inputs, Triton space, checks, launch geometry.
 
-Needs no triton: the kernels themselves live in `_triton_norm_kernels` and `_triton_softmax_kernels`.
+Needs no triton: the kernels themselves live in each op's `_kernels`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._common import ITEMSIZE, pow2_at_least
+from ._common import DTYPES, ITEMSIZE, pow2_at_least
 
 # One program normalises a ROWS_PER_PROGRAM x BLOCK_N tile. BLOCK_N 0 holds the whole row in
 # registers (the next power of two: one read of x); a BLOCK_N shorter than the row loops over
@@ -77,6 +77,21 @@ def default_problems(problem: type, device_class: str) -> list:
         problem(1024, 16384, "fp16"),
         problem(4096, 4096, "fp32"),
     ]
+
+
+def weight(cols: int, dtype: str, device, g: torch.Generator, mean: float) -> torch.Tensor:
+    """A norm's weight or bias vector: `mean` plus small noise."""
+    return (mean + 0.1 * torch.randn(cols, generator=g)).to(device=device, dtype=DTYPES[dtype])
+
+
+def hi(t: torch.Tensor) -> torch.Tensor:
+    """The precision references compute in: float64 on the CPU, float32 on GPUs."""
+    return t.to(torch.float64 if t.device.type == "cpu" else torch.float32)
+
+
+def norm_bytes(p: Any, params_per_col: int) -> float:
+    """Bytes a norm moves: x read, y written, and its per-column parameter vectors."""
+    return float((2 * p.rows + params_per_col) * p.cols * ITEMSIZE[p.dtype])
 
 
 def rows_view(x: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,18 +9,19 @@ import importlib as _importlib
 import kernel_space as _ks
 from kernel_space import NoImplementationError, OpsAdvError, UnknownOpError, register_impl
 
-from . import _settings
+from . import _settings, debug, profiler
+from ._benchmark import benchmark
 from ._dispatch import dispatch, explain, load_table, misses, op_function, write_misses
+from ._convert import convert_model, explain_model
+from ._ops import attention, conv2d, gemm, layer_norm, linear, rms_norm, softmax
+from ._record import record, tune_for_hardware
 from ._table import TableError
 
 for _m in _settings.plugins():
     _importlib.import_module(_m)
 
-gemm = op_function("gemm")
-attention = op_function("attention")
 
-
-def __getattr__(name: str):
+def __getattr__(name: str):  # ops that plugins register
     if name in _ks.ops():
         return op_function(name)
     raise AttributeError(f"module 'ops_adv' has no attribute {name!r}")
@@ -32,11 +33,24 @@ __all__ = [
     "TableError",
     "UnknownOpError",
     "attention",
+    "benchmark",
+    "conv2d",
+    "debug",
+    "convert_model",
     "dispatch",
     "explain",
+    "explain_model",
     "gemm",
+    "layer_norm",
+    "linear",
     "load_table",
     "misses",
+    "record",
+    "op_function",
+    "profiler",
     "register_impl",
+    "rms_norm",
+    "softmax",
+    "tune_for_hardware",
     "write_misses",
 ]

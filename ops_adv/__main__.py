@@ -1,4 +1,5 @@
-"""`python -m ops_adv check [TABLE]`: load a tuned table as the runtime would, and summarise it."""
+"""`python -m ops_adv check [TABLE]`: load a tuned table as the runtime would, and summarise it.
+`python -m ops_adv sign TABLE`: sign a table with OPS_ADV_TABLE_KEY (HMAC-SHA256)."""
 from __future__ import annotations
 
 import argparse
@@ -7,31 +8,77 @@ import sys
 from kernel_space import OpsAdvError
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ops_adv", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="validate a tuned table file (default: OPS_ADV_TABLE)")
-    c.add_argument("table", nargs="?")
-    args = ap.parse_args(argv)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())[:300]}\n")
+
+
+def _sign(path: str) -> int:
+    import json
+    import os
+
+    from . import _table
+
+    key = os.environ.get("OPS_ADV_TABLE_KEY")
+    if not key:
+        raise OpsAdvError("set OPS_ADV_TABLE_KEY to the key production will check tables with")
+    os.environ.pop("OPS_ADV_TABLE_KEY")
     try:
+        _table.read_file(path)  # only a sound table is signed
+    finally:
+        os.environ["OPS_ADV_TABLE_KEY"] = key
+    with open(path, "rb") as f:
+        data = json.loads(f.read())
+    data["signature"] = _table.signature(data, key)
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True))
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OpsAdvError(f"cannot write {_table.short(path, 200)}: {e.strerror}") from None
+    print(f"signed {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _Parser(prog="python -m ops_adv", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="validate a tuned table file (default: OPS_ADV_TABLE); exit 1 if any winner is refused")
+    c.add_argument("table", nargs="?")
+    c.add_argument("--any-device", action="store_true", help="check a table for a device class this machine lacks")
+    s = sub.add_parser("sign", help="add an HMAC-SHA256 signature with OPS_ADV_TABLE_KEY to a table file")
+    s.add_argument("table")
+    args = ap.parse_args(argv)
+    refused = False
+    try:
+        if args.cmd == "sign":
+            return _sign(args.table)
         import warnings
 
+        from . import _table
         from ._dispatch import load_table
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            tuned = load_table(args.table)
+            tuned = load_table(args.table, any_device=args.any_device)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
+            refused |= issubclass(w.category, _table.RefusedWinners)
     except OpsAdvError as e:
-        print(f"ops_adv: error: {e}", file=sys.stderr)
+        from ._table import redact
+
+        print(f"ops_adv: error: {' '.join(redact(str(e)).split())[:500]}", file=sys.stderr)
         return 2
+    if args.any_device:
+        load_table("")  # checked, not for use here
     for dc, ops in sorted(tuned.items()):
         for op, entries in sorted(ops.items()):
             print(f"{dc} {op}: {len(entries)} tuned problem(s)")
     if not tuned:
         print("no tuned problems: every op runs its default implementation")
-    return 0
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":

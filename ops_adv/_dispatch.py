@@ -1,12 +1,13 @@
 """Dispatch: signature, one dict lookup, call.  Everything slower happens once per new problem."""
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 import warnings
 from typing import Any, Callable
 
-from kernel_space import OpsAdvError, backend_of, choose_default, get_impl, get_op, problem_distance
+from kernel_space import OpsAdvError, backend_of, choose_default, get_impl, get_op
 from kernel_space._device import device_class_of
 
 from . import _settings, _table
@@ -17,6 +18,9 @@ _decisions: dict[tuple, tuple[str, dict, str]] = {}  # (op, device class, proble
 _misses: dict[tuple[str, tuple], int] = {}
 _classes: dict[Any, str] = {}
 _caches: dict[str, dict] = {}  # op -> {(problem tuple, device): bound callable}
+_indexes: dict[tuple[str, str], dict] = {}  # (device class, op) -> nearest-search index, built on first need
+_recording: list[dict[tuple[str, tuple], None]] = []
+_wrappers: list[Callable[..., Callable[..., Any]]] = []  # open profilers / NaN checks: wrap(op, problem, impl, source, fn)  # open record() blocks: problems resolved while open
 
 
 def _device_class(device) -> str:
@@ -44,45 +48,148 @@ def _machine_classes() -> set[str]:
     return found
 
 
-def load_table(spec: str | None = None) -> dict[str, dict[str, dict[tuple, dict]]]:
-    """Read the tuned table (OPS_ADV_TABLE, else OPS_ADV_DB) into memory, replacing any loaded before."""
+def load_table(spec: str | None = None, *, any_device: bool = False) -> dict[str, dict[str, dict[tuple, dict]]]:
+    """Read the tuned table (OPS_ADV_TABLE, else OPS_ADV_DB) into memory, replacing any loaded before.
+
+    `any_device` accepts a table for a device class this machine lacks (to check it, not to run it).
+    """
     global _tuned
     spec = spec if spec is not None else (_settings.table_path() or _settings.db_url())
     tuned: dict[str, dict[str, dict[tuple, dict]]] = {}
     if spec:
         here = _machine_classes()
         for table in _table.load(spec):
-            if table.device_class not in here and "://" not in table.source:
+            if table.device_class not in here and "://" not in table.source and not any_device:
                 raise _table.TableError(
                     f"tuned table {table.source} is for {table.device_class}, but this machine has {', '.join(sorted(here))}; "
                     f"export a table for this device (opsadv-export --device ...) or unset OPS_ADV_TABLE"
                 )
-            stale = 0
+            stale, refused, drift = 0, [], {}
+            backend = "cpu" if table.device_class == "cpu" else "cuda"
             for w in table.winners:
                 try:
                     spec_ = get_op(w["op"])
                     problem = tuple(spec_.parse_problem(w["problem"]))
+                    hash(problem)
                     impl = get_impl(w["op"], w["impl"])
                 except OpsAdvError:
                     stale += 1
                     continue
+                except Exception:  # a problem no parse can read (types the table should never hold)
+                    refused.append(f"{_table.short(w['op'], 30)} {_table.short(w['impl'], 30)}: problem {_table.short(w['problem'])} is malformed")
+                    continue
                 if w.get("kernel_version") and w["kernel_version"] != impl.version:
                     stale += 1
                     continue
+                why = _refusal(impl, spec_.problem._make(problem), w["params"], backend)
+                if why:
+                    refused.append(f"{w['op']} {w['impl']} {_table.short(w['params'], 80)}: {why}")
+                    continue
+                _drift(w.get("conditions"), table.device_class, drift)
                 tuned.setdefault(table.device_class, {}).setdefault(w["op"], {})[problem] = w
+            where = _table.redact(table.source)
             if stale:
                 warnings.warn(
-                    f"{stale} winner(s) in {_table.redact(table.source)} were tuned for kernels that changed or are missing; "
+                    f"{stale} winner(s) in {where} were tuned for kernels that changed or are missing; "
                     f"they are not used (re-tune with opsadv-tune)",
+                    _table.RefusedWinners,
+                    stacklevel=2,
+                )
+            if refused:
+                warnings.warn(
+                    f"{len(refused)} winner(s) in {where} are refused, their calls fall back: "
+                    + "; ".join(refused[:3]) + (" ..." if len(refused) > 3 else ""),
+                    _table.RefusedWinners,
+                    stacklevel=2,
+                )
+            if drift:
+                warnings.warn(
+                    f"winners in {where} were measured with "
+                    + ", ".join(f"{k} {'/'.join(sorted(v)[:3])} (this process: {h})" for k, (v, h) in sorted(drift.items()))
+                    + "; they are used but may be slower here; re-measure with opsadv-tune --revalidate",
                     RuntimeWarning,
                     stacklevel=2,
                 )
     with _lock:
         _tuned = tuned
         _decisions.clear()
+        _indexes.clear()
         for c in _caches.values():
             c.clear()
     return tuned
+
+
+def _refusal(impl, problem, params: dict, backend: str) -> str | None:
+    """Why a table's `params` cannot be used for `problem`: not a point of the space, or refused by the check."""
+    space = impl.space
+    if set(params) != set(space):
+        extra, missing = sorted(map(str, set(params) - set(space))), sorted(set(space) - set(params))
+        return "parameters " + "; ".join(
+            ([f"unknown {', '.join(extra)[:60]}"] if extra else []) + ([f"missing {', '.join(missing)}"] if missing else [])
+        )
+    for k, v in params.items():
+        if not any(type(v) is type(c) and v == c for c in space[k]):
+            return f"{k}={_table.short(v, 30)} is not one of {_table.short(list(space[k]), 60)}"
+    if backend not in impl.backends:
+        return f"{impl.name} has no {backend} backend"
+    if impl.check is None:
+        return None
+    try:
+        return impl.check(problem, params)
+    except Exception as e:
+        return f"its check fails ({type(e).__name__})"
+
+
+_HERE: dict[str, str] | None = None
+
+
+def _conditions_here() -> dict[str, str]:
+    global _HERE
+    if _HERE is None:
+        import importlib.metadata as md
+
+        import torch
+
+        here = {"torch": torch.__version__.split("+")[0], "cuda": str(torch.version.cuda)}
+        try:
+            here["triton"] = md.version("triton")
+        except md.PackageNotFoundError:
+            here["triton"] = "none"
+        _HERE = here
+    import torch
+
+    return {**_HERE, "threads": str(torch.get_num_threads())}
+
+
+def _drift(cond, device_class: str, out: dict) -> None:
+    """Collect, per condition, the values a winner was measured with that differ from this process's."""
+    if not isinstance(cond, dict):
+        return
+    here = _conditions_here()
+    keys = ("threads", "torch", "triton") if device_class == "cpu" else ("torch", "triton", "cuda")
+    for k in keys:
+        v = cond.get(k)
+        if v is None or isinstance(v, (dict, list)):
+            continue
+        v = str(v).split("+")[0] if k == "torch" else str(v)
+        if v != here[k]:
+            out.setdefault(k, (set(), here[k]))[0].add(v[:20])
+
+
+def cache_for(op: str) -> dict:
+    """The dict `lookup` caches `op`'s resolved implementations in, keyed by (problem, device); emptied, never replaced."""
+    return _caches.setdefault(op, {})
+
+
+def lookup(op: str, problem: tuple, device) -> Callable[..., Any]:
+    """The implementation bound to its parameters for `problem` on `device` (resolved once, then a dict hit)."""
+    cache = _caches.get(op)
+    if cache is None:
+        cache = _caches.setdefault(op, {})
+    fn = cache.get((problem, device))
+    if fn is None:
+        fn = _resolve(op, problem, device)
+    return fn
 
 
 def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
@@ -93,10 +200,10 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
     backend = backend_of(device)
     table = _tuned.get(dc, {}).get(op, {})
     p = spec.problem._make(problem)
-    source, w = "tuned", table.get(problem)
+    bucketed = spec.bucket(problem)  # what the table and tuning know streaming dims by
+    source, w = "tuned", table.get(problem) or table.get(bucketed)
     if w is None:
-        _misses[(op, problem)] = _misses.get((op, problem), 0) + 1
-        source, w = "nearest", _nearest(spec, problem, table)
+        source, w = "nearest", _nearest(spec, problem, (dc, op), table)
     impl = None
     if w is not None:
         cand = get_impl(op, w["impl"])
@@ -106,37 +213,118 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
         source, impl = "default", choose_default(op, p, backend)
         params = impl.default_params()
     _decisions[(op, dc, problem)] = (impl.name, dict(params), source)
+    for seen in _recording:
+        seen[(op, bucketed)] = None
     fn = impl.bind(params)
+    if source != "tuned":
+        fn = _counting(fn, (op, bucketed))
+    for wrap in _wrappers:
+        fn = wrap(op, p, impl.name, source, fn)
     _caches[op][(problem, device)] = fn
     return fn
 
 
-def _nearest(spec, problem: tuple, table: dict[tuple, dict]) -> dict | None:
+def add_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
+    """Wrap every implementation resolved from now on (caches are emptied so known problems resolve again)."""
+    with _lock:
+        _wrappers.append(wrap)
+        for c in _caches.values():
+            c.clear()
+
+
+def remove_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
+    with _lock:
+        _wrappers[:] = [w for w in _wrappers if w is not wrap]
+        for c in _caches.values():
+            c.clear()
+
+
+def start_recording() -> dict[tuple[str, tuple], None]:
+    """Record every problem resolved from now on (caches are emptied so known problems resolve again)."""
+    seen: dict[tuple[str, tuple], None] = {}
+    with _lock:
+        _recording.append(seen)
+        for c in _caches.values():
+            c.clear()
+    return seen
+
+
+def stop_recording(seen: dict) -> None:
+    with _lock:
+        _recording[:] = [r for r in _recording if r is not seen]
+
+
+def _counting(fn: Callable[..., Any], key: tuple[str, tuple]) -> Callable[..., Any]:
+    """`fn`, counting each call as a miss (the table did not hold this problem)."""
+    _misses.setdefault(key, 0)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _misses[key] = _misses.get(key, 0) + 1
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def _nearest(spec, problem: tuple, where: tuple[str, str], table: dict[tuple, dict]) -> dict | None:
+    """The tuned problem closest to `problem` (Σ |log2 size ratio| within OPS_ADV_NEAREST) with the same
+    non-size fields: a bisect along the first size field, then one vectorised distance over that window."""
+    if not table:
+        return None
+    import math
+
+    import torch
+
+    index = _indexes.get(where)
+    if index is None:
+        index = _indexes[where] = _build_index(spec, table)
+    sizes = [i for i, f in enumerate(spec.problem._fields) if f in spec.size_fields]
+    if any(problem[i] <= 0 for i in sizes):
+        return None
+    group = index.get(tuple(v for i, v in enumerate(problem) if i not in sizes))
+    if group is None:
+        return None
+    logs, first, winners = group
+    # Only entries within the limit along the first size field can be within it overall: a
+    # bisect over that field (sorted) bounds the slice the vectorised distance runs over.
     limit = _settings.nearest_max_distance()
-    best, best_d = None, None
-    for other, w in table.items():
-        d = problem_distance(spec, problem, other)
-        if d is not None and d <= limit and (best_d is None or d < best_d):
-            best, best_d = w, d
-    return best
+    q0 = math.log2(problem[sizes[0]])
+    lo, hi = bisect.bisect_left(first, q0 - limit - 1e-6), bisect.bisect_right(first, q0 + limit + 1e-6)
+    if lo >= hi:
+        return None
+    q = torch.tensor([[math.log2(problem[i]) for i in sizes]], dtype=torch.float32)
+    d = torch.cdist(logs[lo:hi], q, p=1.0)[:, 0]  # one op: 26 µs over 3000 entries, 2x the per-field form
+    best = int(torch.argmin(d))
+    return winners[lo + best] if float(d[best]) <= limit + 1e-6 else None
 
 
-def _make_op(op: str) -> Callable[..., Any]:
-    spec = get_op(op)
-    signature = spec.signature
-    cache = _caches.setdefault(op, {})
+def _build_index(spec, table: dict[tuple, dict]) -> dict[tuple, tuple[Any, list[dict]]]:
+    import math
+
+    import torch
+
+    sizes = [i for i, f in enumerate(spec.problem._fields) if f in spec.size_fields]
+    groups: dict[tuple, tuple[list, list]] = {}
+    for prob, w in table.items():
+        key = tuple(v for i, v in enumerate(prob) if i not in sizes)
+        logs, ws = groups.setdefault(key, ([], []))
+        logs.append([math.log2(prob[i]) for i in sizes])
+        ws.append(w)
+    out = {}
+    for k, (logs, ws) in groups.items():
+        order = sorted(range(len(ws)), key=lambda j: logs[j][0])
+        t = torch.tensor([logs[j] for j in order], dtype=torch.float32)
+        out[k] = (t, [logs[j][0] for j in order], [ws[j] for j in order])
+    return out
+
+
+def _generic(op: str) -> Callable[..., Any]:
+    """An op with no torch counterpart in `_ops` (a plugin's): signature, lookup, call."""
+    signature = get_op(op).signature
 
     def run(*tensors: Any, **attrs: Any) -> Any:
-        problem = signature(*tensors, **attrs)
-        device = tensors[0].device
-        fn = cache.get((problem, device))
-        if fn is None:
-            fn = _resolve(op, problem, device)
-        return fn(*tensors, **attrs)
+        return lookup(op, signature(*tensors, **attrs), tensors[0].device)(*tensors, **attrs)
 
-    run.__name__ = op
-    run.__qualname__ = op
-    run.__doc__ = f"Run {op} with the tuned implementation for this problem and device (see ops_adv.explain)."
+    run.__name__ = run.__qualname__ = op
     return run
 
 
@@ -144,9 +332,12 @@ _OP_FUNCS: dict[str, Callable[..., Any]] = {}
 
 
 def op_function(op: str) -> Callable[..., Any]:
+    """The function `ops_adv.<op>` for `op`."""
     fn = _OP_FUNCS.get(op)
     if fn is None:
-        fn = _OP_FUNCS[op] = _make_op(op)
+        from . import _ops
+
+        fn = _OP_FUNCS[op] = getattr(_ops, op, None) or _generic(op)
     return fn
 
 
@@ -170,14 +361,16 @@ def explain(op: str, *tensors: Any, **attrs: Any) -> dict[str, Any]:
 
 
 def misses() -> dict[tuple[str, tuple], int]:
-    """Problems dispatched that the table did not hold exactly, with how often they were resolved."""
+    """Problems dispatched without a tuned winner (streaming dims bucketed), with how many calls each had."""
     return dict(_misses)
 
 
-def write_misses(path: str) -> int:
-    """Write missed problems as a shapes file for `opsadv-tune --shapes`; returns how many."""
+def write_misses(path: str, *, top: int | None = None) -> int:
+    """Write the problems dispatched without a tuned winner (streaming dims bucketed) as a shapes file for
+    `opsadv-tune --shapes`, the costliest first (calls x FLOPs), at most `top`; returns how many."""
+    ranked = sorted(_misses.items(), key=lambda kv: -kv[1] * get_op(kv[0][0]).flops(get_op(kv[0][0]).problem._make(kv[0][1])))
     out: dict[str, list[dict]] = {}
-    for op, problem in _misses:
+    for (op, problem), _calls in ranked[:top]:
         out.setdefault(op, []).append(get_op(op).problem._make(problem)._asdict())
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import re
+import stat
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from kernel_space import OpsAdvError
 
@@ -16,10 +20,79 @@ class TableError(OpsAdvError):
     pass
 
 
-def redact(url: str) -> str:
-    import re
+class RefusedWinners(RuntimeWarning):
+    """Winners of a table the runtime does not use (changed kernels, parameters outside the space, a failed check)."""
 
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+_URL = re.compile(r"[\w+.-]*://[^\s'\"<>]*")
+_QUERY_SECRET = re.compile(r"(?i)(?:^|[?&;=\s])(password|passwd|pwd|pass|sslpassword)=([^&]*)")
+_SECRET_KEYS = {"password", "passwd", "pwd", "pass", "sslpassword"}
+_KV = re.compile(r"(?i)\b(password|passwd|pwd|sslpassword)(\s*[=:]\s*)('[^']*'|\"[^\"]*\"|[^\s&;,]*)")
+
+
+def _pieces(secret: str) -> list[str]:
+    return [secret, unquote(secret), *re.split(r"[@:/?#&\s]", secret), *re.split(r"[@:/?#&\s]", unquote(secret))]
+
+
+def _redact_url(url: str, secrets: set[str]) -> str:
+    scheme, rest = url.split("://", 1)
+    query = unquote(rest.partition("?")[2])  # read as if the first ? starts the query (a password may hold @)
+    for m in _QUERY_SECRET.finditer(query):
+        secrets.update(_pieces(m.group(2)))
+    at, start = rest.rfind("@"), 0  # userinfo ends at the last @: a password may hold @, / or ?
+    if at >= 0 and ":" in rest[:at] and "/" not in rest[:at].split(":", 1)[0]:
+        user, pw = rest[:at].split(":", 1)
+        secrets.update(_pieces(pw))  # a driver may split it at any of @ : / ?
+        rest = f"{user}:***{rest[at:]}"
+        start = len(user) + 5
+    q = rest.find("?", start)
+    if q >= 0:
+        parts = []
+        for kv in rest[q + 1:].split("&"):
+            k, eq, v = kv.partition("=")
+            if eq and re.sub(r"[^a-z]", "", unquote(k).lower()) in _SECRET_KEYS:
+                secrets.update(_pieces(v))
+                kv = f"{k}=***"
+            parts.append(kv)
+        rest = rest[:q + 1] + "&".join(parts)
+    return f"{scheme}://{rest}"
+
+
+def redact(text: str, *urls: str) -> str:
+    """`text` with every password hidden: URL userinfo (empty user, @ or / in it, percent-encoded),
+    password query parameters, libpq key=value pairs, and any other copy of a password found in
+    `text` or in `urls` (a driver's error text may carry it decoded)."""
+    text = str(text)
+    secrets: set[str] = set()
+    for u in urls:
+        if u and "://" in u:
+            _redact_url(str(u), secrets)
+        for m in _KV.finditer(str(u or "")):
+            secrets.add(m.group(3).strip("'\""))
+    if re.match(r"[^:/\s]*(\s[^:/\s]*)?://", text):  # one URL, whole (a password may hold a space or a quote)
+        text = _redact_url(text, secrets)
+    else:
+        text = _URL.sub(lambda m: _redact_url(m.group(0), secrets), text)
+    text = _replace(text, secrets)  # before key=value below cuts a password with a space in two
+    for m in _KV.finditer(text):
+        secrets.add(m.group(3).strip("'\""))
+    text = _KV.sub(lambda m: f"{m.group(1)}{m.group(2)}***" if m.group(3) != "***" else m.group(0), text)
+    return _replace(text, secrets)
+
+
+def _replace(text: str, secrets: set[str]) -> str:
+    for sec in sorted((s for s in secrets if len(s) >= 3 and s != "***"), key=len, reverse=True):
+        text = text.replace(sec, "***")
+    return text
+
+
+def short(value, n: int = 60) -> str:
+    """repr(value) cut to n characters: messages never echo a large user value."""
+    try:
+        r = repr(value) if not isinstance(value, (dict, list)) else json.dumps(value, default=str)[: n + 1]
+    except Exception:
+        r = f"<{type(value).__name__}>"
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 def checksum(winners: list[dict]) -> str:
@@ -34,24 +107,74 @@ class Table:
     source: str
 
 
+MAX_BYTES = 512 << 20
+
+
+def signature(data: dict, key: str) -> str:
+    """HMAC-SHA256 with `key` over the table's canonical JSON (everything but the signature)."""
+    body = json.dumps({k: v for k, v in data.items() if k != "signature"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key.encode(), body.encode(), hashlib.sha256).hexdigest()
+
+
+def _structure(path: str, data: dict) -> None:
+    """A one-line TableError for a table whose shape the runtime cannot use."""
+    where = f"tuned table {path}"
+    if not isinstance(data.get("device_class"), str) or not data["device_class"]:
+        raise TableError(f"{where} has no device_class; export it again with opsadv-export")
+    if not isinstance(data.get("fingerprint", {}), dict):
+        raise TableError(f"{where}: fingerprint must be an object; export it again with opsadv-export")
+    for n, w in enumerate(data["winners"]):
+        structure_of_winner(where, n, w)
+
+
+def structure_of_winner(where: str, n: int, w) -> None:
+    if not isinstance(w, dict):
+        raise TableError(f"{where}: winner {n} is not an object; export it again with opsadv-export")
+    for key, kind, name in (("op", str, "text"), ("impl", str, "text"), ("problem", dict, "an object"), ("params", dict, "an object")):
+        if not isinstance(w.get(key), kind):
+            raise TableError(f"{where}: winner {n} has no {key} (it must be {name}); export it again with opsadv-export")
+    for key, kind, name in (("kernel_version", str, "text"), ("conditions", dict, "an object")):
+        if w.get(key) is not None and not isinstance(w[key], kind):
+            raise TableError(f"{where}: winner {n}: {key} must be {name}; export it again with opsadv-export")
+
+
 def read_file(path: str) -> Table:
+    shown = short(path, 200).strip("'")
     try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise TableError(f"tuned table {shown} is not a regular file; check OPS_ADV_TABLE")
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_BYTES + 1)
     except OSError as e:
-        raise TableError(f"cannot read tuned table {path}: {e.strerror}; check OPS_ADV_TABLE") from None
+        raise TableError(f"cannot read tuned table {shown}: {e.strerror}; check OPS_ADV_TABLE") from None
+    if len(raw) > MAX_BYTES:
+        raise TableError(f"tuned table {shown} is larger than {MAX_BYTES >> 20} MiB; check OPS_ADV_TABLE")
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise TableError(f"tuned table {path} is corrupt (not JSON); export it again with opsadv-export") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise TableError(f"tuned table {shown} is corrupt (not JSON); export it again with opsadv-export") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise TableError(f"{path} is not an ops-adv tuned table; export one with opsadv-export")
+        raise TableError(f"{shown} is not an ops-adv tuned table; export one with opsadv-export")
     if data.get("format_version") != FORMAT_VERSION:
-        raise TableError(f"tuned table {path} has format {data.get('format_version')}, this ops-adv reads {FORMAT_VERSION}; export it again")
+        raise TableError(f"tuned table {shown} has format {short(data.get('format_version'), 20)}, this ops-adv reads {FORMAT_VERSION}; export it again")
     winners = data.get("winners")
-    if not isinstance(winners, list) or data.get("checksum") != checksum(winners):
-        raise TableError(f"tuned table {path} is corrupt (checksum mismatch); export it again with opsadv-export")
-    return Table(str(data.get("device_class")), data.get("fingerprint") or {}, winners, path)
+    try:
+        ok = isinstance(winners, list) and data.get("checksum") == checksum(winners)
+    except (TypeError, ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise TableError(f"tuned table {shown} is corrupt (checksum mismatch); export it again with opsadv-export")
+    key = os.environ.get("OPS_ADV_TABLE_KEY")
+    if key:
+        sig = data.get("signature")
+        if not isinstance(sig, str) or not hmac.compare_digest(sig, signature(data, key)):
+            raise TableError(
+                f"tuned table {shown} is {'not signed' if sig is None else 'signed with another key or changed since'} "
+                f"(OPS_ADV_TABLE_KEY is set); sign it with: python -m ops_adv sign {shown}"
+            )
+    _structure(shown, data)
+    return Table(data["device_class"], data.get("fingerprint") or {}, winners, path)
 
 
 def read_database(url: str) -> list[Table]:
@@ -64,9 +187,9 @@ def read_database(url: str) -> list[Table]:
         if url.startswith("sqlite:///"):
             import sqlite3
 
-            path = url[len("sqlite:///"):]
-            if not os.path.exists(path):
-                raise TableError(f"tuning database {path} does not exist; run opsadv-tune first or fix the URL")
+            path = url[len("sqlite:///"):].split("?", 1)[0]
+            if not os.path.isfile(path):
+                raise TableError(f"tuning database {redact(url)[:200]} does not exist; run opsadv-tune first or fix the URL")
             con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
             try:
                 rows = con.execute(query).fetchall()
@@ -78,17 +201,23 @@ def read_database(url: str) -> list[Table]:
             with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as con:
                 rows = con.execute(query).fetchall()
         else:
-            raise TableError(f"OPS_ADV_TABLE {url!r} is neither a table file nor a sqlite:/// or postgresql:// URL")
+            raise TableError(f"OPS_ADV_TABLE {redact(url)[:200]} is neither a table file nor a sqlite:/// or postgresql:// URL")
     except TableError:
         raise
     except Exception as e:
-        raise TableError(f"cannot read winners from {redact(url)}: {redact(str(e).strip().splitlines()[0])}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TableError(f"cannot read winners from {redact(url)[:200]}: {redact(first, url)[:200]}") from None
     by_class: dict[str, list[dict]] = {}
-    for dc, op, key, impl, params, kv, med, vimpl, vms, sp in rows:
-        by_class.setdefault(dc, []).append({
-            "op": op, "problem": json.loads(key), "impl": impl, "params": json.loads(params) if isinstance(params, str) else params,
-            "kernel_version": kv, "median_ms": med, "vendor_impl": vimpl, "vendor_ms": vms, "speedup": sp,
-        })
+    for n, (dc, op, key, impl, params, kv, med, vimpl, vms, sp) in enumerate(rows):
+        try:
+            w = {
+                "op": op, "problem": json.loads(key), "impl": impl, "params": json.loads(params) if isinstance(params, str) else params,
+                "kernel_version": kv, "median_ms": med, "vendor_impl": vimpl, "vendor_ms": vms, "speedup": sp,
+            }
+        except (TypeError, ValueError, RecursionError):
+            raise TableError(f"tuning database {redact(url)[:200]}: winner {n} is not readable JSON; re-tune it") from None
+        structure_of_winner(f"tuning database {redact(url)[:200]}", n, w)
+        by_class.setdefault(str(dc), []).append(w)
     return [Table(dc, {}, ws, url) for dc, ws in by_class.items()]
 
 

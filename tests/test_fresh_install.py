@@ -29,7 +29,7 @@ def test_runtime_without_extras_dispatches_exported_winners(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     import kernel_space
 
-    params = {"block_m": 32, "block_n": 64, "block_k": 0, "threads": 1}
+    params = {"block_m": 32, "block_n": 64, "block_k": 0}
     w = {"op": "gemm", "problem": {"M": 64, "N": 128, "K": 96, "dtype": "fp32", "trans_a": False, "trans_b": False},
          "impl": "cpu_blocked", "params": params, "kernel_version": kernel_space.get_impl("gemm", "cpu_blocked").version,
          "median_ms": 1.0, "vendor_impl": "torch_matmul", "vendor_ms": 2.0, "speedup": 2.0}

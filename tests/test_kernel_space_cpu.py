@@ -33,7 +33,7 @@ def test_chunked_attention_odd_sizes(sq, skv, causal):
     spec = get_op("attention")
     p = spec.problem(2, 3, sq, skv, 16, causal, "fp32")
     args, attrs = spec.make_inputs(p, "cpu", seed=3)
-    out = kernel_space.get_impl("attention", "cpu_chunked").bind({"block_q": 16, "block_kv": 16, "threads": 1})(*args, **attrs)
+    out = kernel_space.get_impl("attention", "cpu_chunked").bind({"block_q": 16, "block_kv": 16})(*args, **attrs)
     assert relative_error(out, spec.reference(*args, **attrs)) < 1e-5
     assert relative_error(kernel_space.get_impl("attention", "sdpa").fn(*args, **attrs), spec.reference(*args, **attrs)) < 1e-5
 
@@ -42,9 +42,9 @@ def test_parameters_change_what_runs():
     spec = get_op("gemm")
     p = spec.problem(128, 128, 256)
     impl = kernel_space.get_impl("gemm", "cpu_blocked")
-    assert impl.why_not(p, {"block_m": 512, "block_n": 128, "block_k": 0, "threads": 1}) is not None
-    assert impl.why_not(p, {"block_m": 64, "block_n": 64, "block_k": 64, "threads": 1}) is None
-    assert len(list(impl.configs())) > 100
+    assert impl.why_not(p, {"block_m": 512, "block_n": 128, "block_k": 0}) is not None
+    assert impl.why_not(p, {"block_m": 64, "block_n": 64, "block_k": 64}) is None
+    assert len(list(impl.configs())) >= 100
 
 
 @pytest.mark.parametrize(

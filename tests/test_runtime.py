@@ -47,7 +47,7 @@ def restore_table():
 
 
 def test_dispatch_uses_exact_then_nearest_then_default(tmp_path, restore_table):
-    params = {"block_m": 32, "block_n": 64, "block_k": 0, "threads": 1}
+    params = {"block_m": 32, "block_n": 64, "block_k": 0}
     prob = {"M": 64, "N": 128, "K": 96, "dtype": "fp32", "trans_a": False, "trans_b": False}
     path = _write_table(tmp_path / "t.json", "cpu", [_winner("gemm", prob, "cpu_blocked", params)])
     ops_adv.load_table(str(path))
@@ -69,7 +69,7 @@ def test_dispatch_uses_exact_then_nearest_then_default(tmp_path, restore_table):
 
 def test_stale_kernel_version_is_not_used(tmp_path, restore_table):
     prob = {"M": 64, "N": 128, "K": 96, "dtype": "fp32", "trans_a": False, "trans_b": False}
-    w = _winner("gemm", prob, "cpu_blocked", {"block_m": 32, "block_n": 64, "block_k": 0, "threads": 1})
+    w = _winner("gemm", prob, "cpu_blocked", {"block_m": 32, "block_n": 64, "block_k": 0})
     w["kernel_version"] = "0000000000000000"
     path = _write_table(tmp_path / "t.json", "cpu", [w])
     with pytest.warns(RuntimeWarning, match="kernels that changed"):
@@ -118,3 +118,17 @@ def test_registry_explains_refusals():
     with pytest.raises(kernel_space.NoImplementationError) as e:
         kernel_space.choose_default("gemm", GemmProblem(8, 8, 8), "tpu")
     assert "torch_matmul: no tpu backend" in str(e.value)
+
+
+def test_committed_h200_table_loads_with_every_winner():
+    """The table tuned on the H200 after the per-op layout (benchmarks/results) is fresh under this code:
+    a change that stales it must say so and re-tune on the GPU."""
+    path = "benchmarks/results/2026-12-03-h200-layout-opsadv-table.json"
+    from conftest import ROOT
+
+    path = str(ROOT / path)
+    r = run_cli("-W", "error::RuntimeWarning", "-m", "ops_adv", "check", "--any-device", path)
+    assert r.returncode == 0, r.stderr
+    counts = {line.split()[1].rstrip(":"): int(line.split()[2]) for line in r.stdout.splitlines() if line.startswith("h200 ")}
+    assert sum(counts.values()) == len(json.loads(open(path).read())["winners"]) == 46, r.stdout
+    assert "warning" not in r.stderr

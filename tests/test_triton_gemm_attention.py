@@ -66,7 +66,7 @@ SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps":
 def test_gemm(dtype, shape, params, monkeypatch):
     M, N, K, ta, tb = shape
     if params.get("SPLIT_K", 1) > 1:  # poison the split-K workspace too
-        from kernel_space import _triton_gemm_kernels as kmod
+        from kernel_space.gemm import _kernels as kmod
 
         monkeypatch.setattr(
             kmod, "_new_workspace", lambda s, device: torch.full(s, float("nan"), dtype=torch.float32, device=device)

@@ -6,7 +6,8 @@ import torch
 
 from kernel_space import get_impl, get_op, impls, relative_error
 from kernel_space.conv2d import Conv2dProblem
-from kernel_space.norm import LayerNormProblem, RmsNormProblem
+from kernel_space.layer_norm import LayerNormProblem
+from kernel_space.rms_norm import RmsNormProblem
 from kernel_space.softmax import SoftmaxProblem
 
 ROWWISE = {"layer_norm": LayerNormProblem, "rms_norm": RmsNormProblem, "softmax": SoftmaxProblem}

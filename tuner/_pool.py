@@ -40,8 +40,9 @@ class Pool:
 
     def __init__(
         self, device: str, n: int, *, accelerator_type: str | None, plugins: list[str], start_timeout_s: float = 120,
-        node_grace_s: float = 60, compile_workers: int = 0,
+        node_grace_s: float = 60, compile_workers: int = 0, threads: int | None = None, accuracy: float | None = 2.0,
     ) -> None:
+        self.threads, self.accuracy = threads, accuracy
         self.device = device
         self.compile_workers = compile_workers
         self.accelerator_type = accelerator_type
@@ -55,7 +56,7 @@ class Pool:
             self._start(s)
 
     def _start(self, slot: Slot) -> None:
-        slot.actor = self.cls.remote(self.device, self.plugins, list(sys.path), self.compile_workers)
+        slot.actor = self.cls.remote(self.device, self.plugins, list(sys.path), self.compile_workers, self.threads, self.accuracy)
         try:
             slot.info = ray.get(slot.actor.info.remote(), timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -218,12 +219,54 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.WARNING}
-    try:
-        if address:
-            ray.init(address=address, **kw)
-        else:
-            ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kw)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ClusterError(f"cannot join the Ray cluster at {address or 'a local instance'}: {str(e).strip().splitlines()[0]}") from None
+    # Ray's driver-side warnings (e.g. at start-up) are not ours to show; its errors are. RAY_LOGGER_LEVEL overrides.
+    level = os.environ.get("RAY_LOGGER_LEVEL") or logging.ERROR
+    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": level}
+    if address:
+        _probe(address)
+    box: dict[str, Any] = {}
+
+    def init() -> None:
+        try:
+            if address:
+                ray.init(address=address, **kw)
+            else:
+                ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kw)
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    if not address:
+        init()
+    else:  # Ray retries an unreachable GCS for minutes: give up after JOIN_TIMEOUT_S
+        import threading
+
+        th = threading.Thread(target=init, daemon=True)
+        th.start()
+        th.join(JOIN_TIMEOUT_S)
+        if th.is_alive():
+            raise ClusterError(f"cannot join the Ray cluster at {address}: no answer within {JOIN_TIMEOUT_S:.0f} s; check the address and `ray status` there")
+    e = box.get("error")
+    if e is not None:
+        if isinstance(e, (ConnectionError, RuntimeError, ValueError, TimeoutError)):
+            raise ClusterError(f"cannot join the Ray cluster at {address or 'a local instance'}: {str(e).strip().splitlines()[0][:300]}") from None
+        raise e
     return True
+
+
+JOIN_TIMEOUT_S = 45.0
+
+
+def _probe(address: str, timeout_s: float = 10.0) -> None:
+    """Fail at once, with one line, when nothing listens at HOST:PORT (ray:// and 'auto' are left to Ray)."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ClusterError(f"bad --ray-address {address[:100]!r}: expected HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, OverflowError, ValueError) as e:
+        raise ClusterError(f"cannot join the Ray cluster at {address}: {getattr(e, 'strerror', None) or e.__class__.__name__}; is `ray start --head` running there?") from None

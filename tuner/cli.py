@@ -9,12 +9,48 @@ from typing import Callable
 from kernel_space import OpsAdvError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), the echoed value redacted and cut short."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}; see {self.prog} --help\n")
+
+
+def _one_line(message: object, n: int = 500) -> str:
+    from ops_adv._table import redact
+
+    text = " ".join(redact(str(message)).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Numbers a run cannot use are refused before anything starts (no database is touched)."""
+    import math
+
+    def need(name: str, ok: bool, what: str) -> None:
+        if not ok:
+            raise OpsAdvError(f"--{name.replace('_', '-')} {_one_line(getattr(args, name), 40)} is invalid: it must be {what}")
+
+    for name in ("timeout", "trial_timeout", "measure_budget"):
+        v = getattr(args, name, None)
+        if v is not None:
+            need(name, math.isfinite(v) and v > 0, "a positive number of seconds")
+    for name, low in (("workers", 1), ("compile_workers", 0), ("threads", 1), ("trials", 1)):
+        v = getattr(args, name, None)
+        if v is not None:
+            need(name, low <= v <= 1_000_000, f"a whole number from {low} to 1000000")
+    need("seed", 0 <= args.seed < 2**32, "a whole number from 0 to 4294967295")
+    acc = getattr(args, "accuracy", None)
+    if acc is not None:
+        need("accuracy", math.isfinite(acc) and acc >= 1, "a finite factor of at least 1")
+
+
 def _run(prog: str, body: Callable[[], int]) -> int:
     """A user's mistake is one line on stderr and exit status 2, never a traceback."""
     try:
         return body()
     except OpsAdvError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; finished trials are stored, re-run the same command to resume", file=sys.stderr)
@@ -36,13 +72,13 @@ def _load_plugins(mods: list[str]) -> list[str]:
     for m in mods:
         try:
             importlib.import_module(m)
-        except ImportError as e:
-            raise OpsAdvError(f"cannot import plugin {m}: {e}") from None
+        except (ImportError, ValueError, TypeError) as e:
+            raise OpsAdvError(f"cannot import plugin {_one_line(m, 80)}: {_one_line(e, 200)}") from None
     return mods
 
 
 def tune_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="opsadv-tune", description="Tune kernels for each (op, problem) on a device and store the winners.")
+    ap = _Parser(prog="opsadv-tune", description="Tune kernels for each (op, problem) on a device and store the winners.")
     ap.add_argument("--device", required=True, help="device class: cpu, h100, h200, a100, ...")
     ap.add_argument("--ops", required=True, help="comma-separated ops, e.g. gemm,attention")
     ap.add_argument("--shapes", help="YAML or JSON file of problems (default: the built-in set per op)")
@@ -58,7 +94,14 @@ def tune_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-workers", type=int,
                     help="Triton compile processes per GPU worker, compiling the next configurations ahead (default 4 on GPUs; 0: off)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress", default="auto",
+                    help="auto (default: a progress bar on a terminal, else a line every 10 s), bar or plain")
     ap.add_argument("--plugin", action="append", default=[], help="module registering extra implementations (repeatable)")
+    ap.add_argument("--threads", type=int, help="CPU threads each trial runs with (default: what a plain process here uses)")
+    ap.add_argument("--accuracy", type=float, default=2.0,
+                    help="a candidate may be at most this times less accurate than the vendor kernel (default 2.0)")
+    ap.add_argument("--revalidate", action="store_true",
+                    help="re-measure the stored finalists of winners measured under another torch/Triton/CUDA/driver/threads")
     args = ap.parse_args(argv)
 
     def body() -> int:
@@ -68,6 +111,10 @@ def tune_main(argv: list[str] | None = None) -> int:
         from .problems import default_problems, load_shapes
         from .report import format_table
 
+        from .devices import check_device
+
+        _check_args(args)
+        check_device(args.device, args.ray_address is not None)  # before any database is created or migrated
         plugins = _load_plugins(args.plugin)
         ops = [o.strip() for o in args.ops.split(",") if o.strip()]
         if not ops:
@@ -78,21 +125,28 @@ def tune_main(argv: list[str] | None = None) -> int:
 
         if args.sampler not in SAMPLERS:
             raise OpsAdvError(f"unknown sampler {args.sampler!r}; choose one of {', '.join(SAMPLERS)}")
-        if args.trials < 1:
-            raise OpsAdvError("--trials must be at least 1")
+        from .progress import MODES
+
+        if args.progress not in MODES:
+            raise OpsAdvError(f"unknown --progress {args.progress!r}; choose one of {', '.join(MODES)}")
+        names = [i.strip() for i in (args.impls or "").split(",") if i.strip()]
+        for name in names:
+            if not any(name in {i.name for i in kernel_space.impls(op)} for op in ops):
+                raise OpsAdvError(f"--impls: no implementation {_one_line(name, 60)} for {', '.join(ops)}")
         if args.shapes:
             problems = load_shapes(args.shapes, ops)
         else:
-            from .devices import check_device
-
-            check_device(args.device, args.ray_address is not None)
             problems = default_problems(ops, args.device)
+        from db._engine import check_url
+
+        check_url(args.db or _db_default())
         opts = TuneOptions(
             device=args.device, problems=problems, db_url=args.db or _db_default(), trials=args.trials, timeout_s=args.timeout,
             trial_timeout_s=args.trial_timeout, sampler=args.sampler, workers=args.workers, ray_address=args.ray_address,
             seed=args.seed, plugins=plugins, only_impls=[i.strip() for i in (args.impls or "").split(",") if i.strip()],
-            compile_workers=args.compile_workers,
-            measure_budget_s=args.measure_budget or (0.3 if args.device == "cpu" else 0.1), command=shlex.join(["opsadv-tune", *(argv if argv is not None else sys.argv[1:])]),
+            compile_workers=args.compile_workers, progress=args.progress, threads=args.threads, accuracy=args.accuracy,
+            revalidate=args.revalidate,
+            measure_budget_s=args.measure_budget or (0.3 if args.device == "cpu" else 0.1), command=_command(argv),
         )
         rows = Tuner(opts).run()
         print(format_table(rows))
@@ -101,8 +155,15 @@ def tune_main(argv: list[str] | None = None) -> int:
     return _run("opsadv-tune", body)
 
 
+def _command(argv: list[str] | None) -> str:
+    """The command line as stored with the run: every password redacted."""
+    from ops_adv._table import redact
+
+    return shlex.join(["opsadv-tune", *(redact(a) for a in (argv if argv is not None else sys.argv[1:]))])
+
+
 def export_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="opsadv-export", description="Write the winners for a device as a table file and a Dockerfile snippet.")
+    ap = _Parser(prog="opsadv-export", description="Write the winners for a device as a table file and a Dockerfile snippet.")
     ap.add_argument("--device", required=True)
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--db", help="database URL (default: OPS_ADV_DB or the default SQLite file)")
@@ -119,7 +180,7 @@ def export_main(argv: list[str] | None = None) -> int:
 
 
 def db_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="opsadv-db", description="Create or migrate the tuning database.")
+    ap = _Parser(prog="opsadv-db", description="Create or migrate the tuning database.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, text in (("upgrade", "migrate the database to the latest schema"), ("current", "print the schema revision")):
         p = sub.add_parser(name, help=text)
@@ -136,14 +197,17 @@ def db_main(argv: list[str] | None = None) -> int:
             print(f"{db.redact(url)}: schema at {db.current(engine)}")
         else:
             cur = db.current(engine)
-            print(f"{cur or 'none'}{' (head)' if cur == db.head() else f' (head is {db.head()}; run opsadv-db upgrade)'}")
+            if cur is not None and not db._engine.known(cur):
+                print(f"{_one_line(cur, 40)} (newer than this ops-adv, whose head is {db.head()}; upgrade ops-adv)")
+            else:
+                print(f"{cur or 'none'}{' (head)' if cur == db.head() else f' (head is {db.head()}; run opsadv-db upgrade)'}")
         return 0
 
     return _run("opsadv-db", body)
 
 
 def report_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="opsadv-report", description="Print the winners per problem and plot speedup over the vendor kernel.")
+    ap = _Parser(prog="opsadv-report", description="Print the winners per problem and plot speedup over the vendor kernel.")
     ap.add_argument("--device", required=True)
     ap.add_argument("--db", help="database URL")
     ap.add_argument("--table", help="read an exported table file instead of the database")
@@ -152,8 +216,14 @@ def report_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def body() -> int:
+        import os
+
         from .report import format_markdown, format_table, plot
 
+        for flag, path in (("--plot", args.plot), ("--markdown", args.markdown)):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder and not os.path.isdir(folder):
+                raise OpsAdvError(f"{flag} {_one_line(path, 120)}: folder {_one_line(folder, 120)} does not exist; create it or write elsewhere")
         if args.table:
             from ops_adv._table import read_file
 
@@ -168,12 +238,17 @@ def report_main(argv: list[str] | None = None) -> int:
         if not rows:
             raise OpsAdvError(f"no winners for {args.device}; run opsadv-tune --device {args.device} first")
         print(format_table(rows))
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(format_markdown(rows) + "\n")
-        if args.plot:
-            plot(rows, args.plot, f"ops-adv on {args.device}: tuned vs vendor")
-            print(f"plot: {args.plot}")
+        try:
+            if args.markdown:
+                with open(args.markdown, "w") as f:
+                    f.write(format_markdown(rows) + "\n")
+            if args.plot:
+                plot(rows, args.plot, f"ops-adv on {args.device}: tuned vs vendor")
+                print(f"plot: {args.plot}")
+        except OSError as e:
+            raise OpsAdvError(f"cannot write {_one_line(e.filename or args.plot, 120)}: {e.strerror or e}") from None
+        except ValueError as e:  # matplotlib: an unknown image format
+            raise OpsAdvError(f"cannot write the plot: {_one_line(e, 200)}") from None
         return 0
 
     return _run("opsadv-report", body)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from kernel_space import OpsAdvError
 from kernel_space._device import KNOWN_CLASSES, RAY_ACCELERATOR, device_class_of
+from ops_adv._table import short
 
 
 class DeviceError(OpsAdvError):
@@ -31,11 +32,11 @@ class Placement:
 def check_device(device: str, on_cluster: bool) -> Placement:
     """Refuse a device class this machine (or cluster) cannot measure, in one line."""
     if device not in KNOWN_CLASSES and not device.replace("-", "").isalnum():
-        raise DeviceError(f"unknown device {device!r}; use one of {', '.join(KNOWN_CLASSES)}")
+        raise DeviceError(f"unknown device {short(device, 40)}; use one of {', '.join(KNOWN_CLASSES)}")
     if device == "cpu":
         return Placement(None, None if on_cluster else 1)
     if device not in KNOWN_CLASSES:
-        raise DeviceError(f"unknown device {device!r}; use one of {', '.join(KNOWN_CLASSES)}")
+        raise DeviceError(f"unknown device {short(device, 40)}; use one of {', '.join(KNOWN_CLASSES)}")
     accel = RAY_ACCELERATOR.get(device, device.upper())
     if on_cluster:
         return Placement(accel, None)

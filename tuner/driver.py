@@ -1,35 +1,116 @@
 """The tuning driver: Optuna asks, Ray workers measure, the database keeps every trial."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import random
+import socket
 import sys
+import threading
 import time
 import warnings
+from datetime import datetime, timedelta, timezone
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import optuna
 from optuna.trial import TrialState
-from sqlalchemy import select
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 import kernel_space
 from db import Device, Problem, Run, Trial, Winner, normalize, open_db, redact
+from db.models import Lease
 from db.models import utcnow
 from kernel_space import OpsAdvError, get_op, impls, problem_distance, problem_key
 from workers.measure import OK, PRUNED
 
-from ._pool import NODE_LOST, Pool, start_ray
+from ._pool import NODE_LOST, Pool, _probe, start_ray
 from .devices import check_device
+from .progress import MODES, Progress
 
 SAMPLERS = ("tpe", "random", "grid")
 # Invalid configurations are refused before compiling and do not count against --trials;
 # a problem stops after this many times its budget of them (a space mostly invalid for it).
 MAX_PRUNED = 40
+RUN_ATTR = "opsadv_run"  # user attribute of an Optuna trial: the opsadv_runs id that asked it
+STACK = ("threads", "torch", "triton", "cuda", "cudnn", "cublas", "driver")  # conditions a winner is revalidated on
+
+
+def lease_s() -> float:
+    """Seconds a problem's lease lasts without a heartbeat (OPS_ADV_LEASE_S, default 60)."""
+    try:
+        return max(2.0, float(os.environ.get("OPS_ADV_LEASE_S", "60")))
+    except ValueError:
+        return 60.0
+
+
+def _aware(t: datetime | None) -> datetime | None:
+    return t.replace(tzinfo=timezone.utc) if t is not None and t.tzinfo is None else t
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def schema_lock(url: str):
+    """Serialise schema creation between tuner processes: an advisory lock (PostgreSQL) or a lock file (SQLite)."""
+    url = normalize(url)
+    if url.startswith("postgresql"):
+        from sqlalchemy import create_engine, text
+
+        try:
+            eng = create_engine(url)
+        except Exception:  # a malformed URL (say, a non-numeric port): open_db reports it in one line
+            yield
+            return
+        try:
+            conn = eng.connect()
+        except Exception:
+            eng.dispose()
+            yield  # open_db reports the connection error
+            return
+        try:
+            conn.execute(text("select pg_advisory_lock(7290514)"))
+            conn.commit()
+            yield
+        finally:
+            try:
+                conn.execute(text("select pg_advisory_unlock(7290514)"))
+                conn.commit()
+                conn.close()
+            finally:
+                eng.dispose()
+        return
+    path = url.split(":///", 1)[1].split("?", 1)[0] if ":///" in url else ""  # never the query: it may hold a password
+    if not path or path == ":memory:" or path.startswith("file:"):
+        yield
+        return
+    import fcntl
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield  # open_db reports an unwritable path
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -52,7 +133,11 @@ class TuneOptions:
     # None: 4 on GPUs, where Triton compiles in ~0.4 s what times in ~0.05 s; 0 on cpu).
     compile_workers: int | None = None
     warm_start: bool = True
+    threads: int | None = None  # CPU threads per measuring worker (None: what a plain process here uses)
+    accuracy: float | None = 2.0  # a candidate may be at most this times less accurate than the vendor kernel
+    revalidate: bool = False  # re-measure the top-k of winners measured under another stack instead of skipping them
     command: str = ""
+    progress: str = "plain"  # auto (a bar on a terminal), bar or plain (a line every 10 s)
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
 
 
@@ -115,7 +200,25 @@ def kernel_set_version(op: str, backend: str) -> str:
     return h.hexdigest()[:10]
 
 
+def problem_label(problem: Any) -> str:
+    """`M=4096,N=4096,K=4096,bf16,trans_b`: every field, dtype bare, true flags by name, false ones left out."""
+    parts = []
+    for k, v in problem._asdict().items():
+        if isinstance(v, bool):
+            if v:
+                parts.append(k)
+        else:
+            parts.append(str(v) if k == "dtype" else f"{k}={v}")
+    return ",".join(parts)
+
+
 def study_name(device_class: str, op: str, problem: Any, backend: str) -> str:
+    """`h200/gemm/M=4096,N=4096,K=4096,bf16@6b73fd40`: readable, and new when the op's kernels change."""
+    return f"{device_class}/{op}/{problem_label(problem)}@{kernel_set_version(op, backend)[:8]}"
+
+
+def legacy_study_name(device_class: str, op: str, problem: Any, backend: str) -> str:
+    """The name studies had before readable names; a database tuned then resumes under it."""
     pk = hashlib.sha256(problem_key(problem).encode()).hexdigest()[:12]
     return f"opsadv:{device_class}:{op}:{pk}:{kernel_set_version(op, backend)}"
 
@@ -145,6 +248,23 @@ def _suggest(trial: optuna.trial.BaseTrial, tunables: list[Any]) -> tuple[str, d
     return name, params
 
 
+def _set_attrs(setter: Callable[[str, Any], None], current: dict, attrs: dict) -> None:
+    for k, v in attrs.items():
+        if current.get(k) != v:
+            setter(k, v)
+
+
+def _trial_attrs(name: str, res: dict) -> dict:
+    """What optuna-dashboard shows about a trial beyond its parameters and value."""
+    out = {"impl": name, "status": res["status"]}
+    if res.get("error"):
+        out["error"] = str(res["error"])[:2000]
+    for k in ("rel_error", "spread_ms"):
+        if res.get(k) is not None:
+            out[k] = res[k]
+    return out
+
+
 def _sampler(kind: str, seed: int) -> optuna.samplers.BaseSampler:
     if kind == "tpe":
         return optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=8, multivariate=True, group=True)
@@ -167,11 +287,18 @@ class Tuner:
                 raise OpsAdvError(f"--impls names {name!r}, which no requested op has")
         if opts.sampler not in SAMPLERS:
             raise OpsAdvError(f"unknown sampler {opts.sampler!r}; choose one of {', '.join(SAMPLERS)}")
+        if opts.progress not in MODES:
+            raise OpsAdvError(f"unknown progress display {opts.progress!r}; choose one of {', '.join(MODES)}")
+        if opts.threads is not None and not 1 <= opts.threads <= 4096:
+            raise OpsAdvError(f"--threads must be between 1 and 4096, not {str(opts.threads)[:20]}")
+        if opts.accuracy is not None and not (opts.accuracy >= 1.0 and opts.accuracy < float("inf")):
+            raise OpsAdvError(f"--accuracy must be a finite factor of at least 1, not {str(opts.accuracy)[:20]}")
         self.o = opts
         self.log = opts.log
         self.backend = "cpu" if opts.device == "cpu" else "cuda"
         self._rr = 0
         self._rng = random.Random(opts.seed)
+        self.best_speedup: float | None = None  # of the winners this run stored
         self.stats: dict = {}  # after run(): wall_s and per worker slot busy_s, jobs, restarts (see Pool.stats)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -179,11 +306,14 @@ class Tuner:
     # ---- set-up -------------------------------------------------------------------------------
     def run(self) -> list[dict]:
         o = self.o
-        self.engine = open_db(o.db_url)
+        placement = check_device(o.device, o.ray_address is not None)
+        if o.ray_address:
+            _probe(o.ray_address)  # before the database is touched: nothing listening is one line at once
         url = normalize(o.db_url)
         kw = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        self.storage = optuna.storages.RDBStorage(url, engine_kwargs=kw)
-        placement = check_device(o.device, o.ray_address is not None)
+        with schema_lock(o.db_url):  # concurrent tuners on a fresh database: one creates the schema
+            self.engine = open_db(o.db_url)
+            self.storage = optuna.storages.RDBStorage(url, engine_kwargs=kw)
         ops = ", ".join(dict.fromkeys(op for op, _ in o.problems))
         self.log(f"tuning {len(o.problems)} problem(s) of {ops} on {o.device} into {redact(o.db_url)}")
         owned = start_ray(o.ray_address, num_cpus=None)
@@ -191,11 +321,23 @@ class Tuner:
             n = o.workers or placement.count()
             self.log(f"starting {n} measuring worker(s) for {o.device}")
             cw = o.compile_workers if o.compile_workers is not None else (4 if self.backend == "cuda" else 0)
+            if self.backend == "cpu":
+                import torch
+
+                threads = o.threads or torch.get_num_threads()  # this process is a plain one: its default
+            else:
+                threads = o.threads
             self.pool = Pool(self.backend, n, accelerator_type=placement.accelerator_type, plugins=o.plugins,
-                             compile_workers=cw)
+                             compile_workers=cw, threads=threads, accuracy=o.accuracy)
             t = time.monotonic()
             try:
-                return self._run()
+                rows = self._run()
+                if not rows:
+                    raise OpsAdvError(
+                        f"no winner stored for any of the {len(o.problems)} problem(s): every candidate failed or the time "
+                        f"limit came first; see the errors above"
+                    )
+                return rows
             finally:
                 self.stats = {"wall_s": round(time.monotonic() - t, 3), "workers": self.pool.stats()}
                 self.pool.shutdown()
@@ -211,78 +353,230 @@ class Tuner:
         if info["device_class"] != o.device:
             raise OpsAdvError(f"the workers run on {info['fingerprint'].get('name')} ({info['device_class']}), not {o.device}")
         fp = info["fingerprint"]
-        tasks = self._make_tasks(fp)
+        self.conditions = dict(info.get("conditions") or {})
+        items = self._prepare(fp)
         fp_hash = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
+        for _ in range(3):  # two tuners may add the same device at once
+            try:
+                with Session(self.engine) as s:
+                    self.device_id = _upsert(s, Device, {"fingerprint_hash": fp_hash}, {"device_class": o.device, "fingerprint": fp}).id
+                    s.commit()
+                break
+            except IntegrityError:
+                continue
         with Session(self.engine) as s:
-            self.device_id = _upsert(s, Device, {"fingerprint_hash": fp_hash}, {"device_class": o.device, "fingerprint": fp}).id
-            run = Run(device_class=o.device, command=o.command, sampler=o.sampler)
+            run = Run(device_class=o.device, command=o.command, sampler=o.sampler, host=socket.gethostname()[:255],
+                      pid=os.getpid(), heartbeat_at=utcnow())
             s.add(run)
             s.commit()
             self.run_id = run.id
+        self._reap()
+        self.fingerprint = fp
+        self.tasks: list[Task] = []
+        self._left = 0
+        stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(stop,), daemon=True)
+        beat.start()
         status = "failed"
         t0 = time.monotonic()
         try:
-            self._loop(tasks, t0)
-            complete = all(t.state == "done" and self._spent(t) for t in tasks)
+            self._loop(items, t0)
+            complete = not self._left and all(t.state == "done" and self._spent(t) for t in self.tasks)
             status = "finished" if complete else "interrupted"
         except KeyboardInterrupt:
             status = "interrupted"
             raise
         finally:
+            stop.set()
+            beat.join(5)
             with Session(self.engine) as s:
+                s.execute(delete(Lease).where(Lease.run_id == self.run_id))
                 run = s.get(Run, self.run_id)
                 run.status = status
                 run.finished_at = utcnow()
                 s.commit()
         return self.summary()
 
-    def _make_tasks(self, fingerprint: dict) -> list[Task]:
+    # ---- several tuners, one database -------------------------------------------------------------
+    def _heartbeat(self, stop: threading.Event) -> None:
+        """Renew this run's heartbeat and leases until `stop`."""
+        every = lease_s() / 6
+        while not stop.wait(every):
+            try:
+                now = utcnow()
+                with self.engine.begin() as c:
+                    c.execute(update(Run).where(Run.id == self.run_id).values(heartbeat_at=now))
+                    c.execute(update(Lease).where(Lease.run_id == self.run_id).values(expires_at=now + timedelta(seconds=lease_s())))
+            except Exception as e:  # a busy database: try again at the next beat
+                self.log(f"  heartbeat failed: {redact(str(e).splitlines()[0])[:200]}")
+
+    def _run_alive(self, run: Run | None) -> bool:
+        """Whether `run` is a live tuner: running, a fresh heartbeat and, on this host, its process exists."""
+        if run is None or run.status != "running":
+            return False
+        if run.id == getattr(self, "run_id", None):
+            return True
+        seen = _aware(run.heartbeat_at or run.started_at)
+        if seen is None or utcnow() - seen > timedelta(seconds=lease_s()):
+            return False
+        return not (run.host == socket.gethostname()[:255] and run.pid and not _pid_alive(run.pid))
+
+    def _reap(self) -> None:
+        """Mark runs whose process is gone as interrupted."""
+        with Session(self.engine) as s:
+            dead = [r for r in s.scalars(select(Run).where(Run.status == "running", Run.id != self.run_id)) if not self._run_alive(r)]
+            ids = [r.id for r in dead]
+            for r in dead:
+                r.status, r.finished_at = "interrupted", utcnow()
+            s.commit()
+        if ids:
+            self.log(f"marked {len(ids)} run(s) whose process is gone as interrupted: {', '.join(map(str, ids[:10]))}")
+
+    def _claim(self, problem_id: int) -> bool:
+        """Take the lease of `problem_id`: free, expired, ours already, or held by a dead run."""
+        where = {"device_class": self.o.device, "problem_id": problem_id}
+        for _ in range(5):
+            now = utcnow()
+            exp = now + timedelta(seconds=lease_s())
+            try:
+                with self.engine.begin() as c:
+                    c.execute(insert(Lease).values(**where, run_id=self.run_id, expires_at=exp))
+                return True
+            except IntegrityError:
+                pass
+            with Session(self.engine) as s:
+                lease = s.scalars(select(Lease).filter_by(**where)).first()
+                if lease is None:
+                    continue  # released meanwhile: insert again
+                if lease.run_id == self.run_id:
+                    return True
+                holder = s.get(Run, lease.run_id)
+                if _aware(lease.expires_at) > now and self._run_alive(holder):
+                    return False
+                n = s.execute(update(Lease).where(Lease.id == lease.id, Lease.run_id == lease.run_id)
+                              .values(run_id=self.run_id, expires_at=exp)).rowcount
+                if n == 1 and holder is not None and holder.status == "running":
+                    holder.status, holder.finished_at = "interrupted", utcnow()
+                s.commit()
+                return n == 1
+        return False
+
+    def _holds(self, problem_id: int) -> bool:
+        with Session(self.engine) as s:
+            lease = s.scalars(select(Lease).filter_by(device_class=self.o.device, problem_id=problem_id)).first()
+            return lease is not None and lease.run_id == self.run_id
+
+    def _release(self, problem_id: int) -> None:
+        with self.engine.begin() as c:
+            c.execute(delete(Lease).where(Lease.device_class == self.o.device, Lease.problem_id == problem_id,
+                                          Lease.run_id == self.run_id))
+
+    def _prepare(self, fingerprint: dict) -> list[tuple[str, Any]]:
+        """The problems to tune, duplicates merged, each checked to fit the device."""
         o = self.o
-        tasks = []
+        items = list({(op, problem_key(p)): (op, p) for op, p in reversed(o.problems)}.values())[::-1]
+        if len(items) < len(o.problems):
+            self.log(f"merged {len(o.problems) - len(items)} duplicate problem(s)")
         mem = fingerprint.get("memory_bytes")
-        for op, problem in o.problems:
+        for op, problem in items:
             need = 3 * get_op(op).bytes_moved(problem)  # inputs, output and the reference
             if mem and need > 0.9 * mem:
                 raise OpsAdvError(
                     f"{op} {problem_key(problem)} needs about {need / 2**30:.1f} GiB, more than the "
                     f"{mem / 2**30:.0f} GiB of {fingerprint.get('name')}; drop it from the shapes file"
                 )
-        for op, problem in o.problems:
-            tunables = [i for i in impls(op, backend=self.backend) if not i.vendor and not i.unavailable]
-            if o.only_impls:
-                tunables = [i for i in tunables if i.name in o.only_impls]
-            tunables = [n for n in (narrow(i, problem, self.backend) for i in tunables) if n is not None]
-            vendors = [i for i in impls(op, backend=self.backend) if i.vendor and i.why_not(problem, backend=self.backend) is None]
-            if not vendors and not tunables:
-                raise OpsAdvError(f"no {op} implementation runs on {o.device}; pick other --ops")
-            name = study_name(o.device, op, problem, self.backend)
+        self.existing = set(optuna.study.get_all_study_names(self.storage))
+        return items
+
+    def _problem_id(self, op: str, problem: Any) -> int:
+        for _ in range(3):  # two tuners may add the same problem at once
+            try:
+                with Session(self.engine) as s:
+                    pid = _upsert(s, Problem, {"op": op, "key": problem_key(problem)}).id
+                    s.commit()
+                    return pid
+            except IntegrityError:
+                continue
+        raise OpsAdvError(f"cannot store problem {op} {problem_key(problem)[:200]}")
+
+    def _stale(self, w: Winner) -> list[str]:
+        """The stack conditions under which `w` was measured that differ from this run's."""
+        old = w.conditions or {}
+        return [k for k in STACK if old.get(k) != self.conditions.get(k)]
+
+    def _claim_task(self, op: str, problem: Any) -> Task | str | None:
+        """A Task for `problem` if this run holds its lease; None when there is nothing to do; "held" by another run."""
+        o = self.o
+        fingerprint = self.fingerprint
+        tunables = [i for i in impls(op, backend=self.backend) if not i.vendor and not i.unavailable]
+        if o.only_impls:
+            tunables = [i for i in tunables if i.name in o.only_impls]
+        tunables = [n for n in (narrow(i, problem, self.backend) for i in tunables) if n is not None]
+        vendors = [i for i in impls(op, backend=self.backend) if i.vendor and i.why_not(problem, backend=self.backend) is None]
+        if not vendors and not tunables:
+            raise OpsAdvError(f"no {op} implementation runs on {o.device}; pick other --ops")
+        name = study_name(o.device, op, problem, self.backend)
+        legacy = legacy_study_name(o.device, op, problem, self.backend)
+        if name not in self.existing and legacy in self.existing:
+            name = legacy  # tuned before studies had readable names: resume under the old name
+        pid = self._problem_id(op, problem)
+
+        def tuned() -> tuple[bool, list[str]]:
             with Session(self.engine) as s:
-                pid = _upsert(s, Problem, {"op": op, "key": problem_key(problem)}).id
-                s.commit()
                 w = s.scalars(select(Winner).filter_by(device_class=o.device, problem_id=pid)).first()
                 if w is not None and w.study == name and w.trials >= o.trials:
-                    self.log(f"skip {op} {problem_key(problem)}: already tuned ({w.trials} trials)")
-                    continue
-                done = s.scalars(select(Trial).filter_by(study=name)).all()
-            study = optuna.create_study(
-                study_name=name, storage=self.storage, direction="minimize", load_if_exists=True, sampler=_sampler(o.sampler, o.seed)
-            )
-            task = Task(op, problem, name, pid, study, tunables, deque(), deque(), budget=o.trials,
-                        space=sum(t.why_not(problem, c, self.backend) is None for t in tunables for c in t.configs()))
-            self._resume(task, done)
-            measured_vendors = {r["impl"] for r in task.results if r["vendor"]}
-            task.vendors.extend(v.name for v in vendors if v.name not in measured_vendors)
-            if not tunables:
-                task.budget = 0
-            elif o.sampler == "grid":
-                self._enqueue_grid(task)
-            elif o.warm_start and task.asked == 0:
-                self._enqueue_warm_start(task)
-            tasks.append(task)
-        return tasks
+                    stale = self._stale(w) if o.revalidate else []
+                    if not stale:
+                        self.log(f"skip {op} {problem_key(problem)}: already tuned ({w.trials} trials)")
+                    return True, stale
+            return False, []
+
+        done, stale = tuned()
+        if done and not stale:
+            return None
+        if not self._claim(pid):
+            return "held"
+        done, stale = tuned()  # another run may have finished it meanwhile
+        if done and not stale:
+            self._release(pid)
+            return None
+        with Session(self.engine) as s:
+            rows = s.scalars(select(Trial).filter_by(study=name)).all()
+        study = optuna.create_study(
+            study_name=name, storage=self.storage, direction="minimize", load_if_exists=True, sampler=_sampler(o.sampler, o.seed)
+        )
+        _set_attrs(study.set_user_attr, study.user_attrs, self._study_attrs(op, problem, fingerprint))
+        task = Task(op, problem, name, pid, study, tunables, deque(), deque(), budget=o.trials,
+                    space=sum(t.why_not(problem, c, self.backend) is None for t in tunables for c in t.configs()))
+        self._resume(task, rows)
+        if stale:  # measured under another stack: re-measure its stored finalists against the vendor, no new search
+            self.log(f"revalidate {task.label}: measured under another {', '.join(stale)}")
+            task.budget = task.asked
+            task.state = "confirm"
+            return task
+        measured_vendors = {r["impl"] for r in task.results if r["vendor"]}
+        task.vendors.extend(v.name for v in vendors if v.name not in measured_vendors)
+        if not tunables:
+            task.budget = 0
+        elif o.sampler == "grid":
+            self._enqueue_grid(task)
+        elif o.warm_start and task.asked == 0:
+            self._enqueue_warm_start(task)
+        return task
+
+    def _study_attrs(self, op: str, problem: Any, fp: dict) -> dict:
+        """What optuna-dashboard shows about a study: the problem, the device, the kernels."""
+        summary = ", ".join(f"{k} {fp[k]}" if k != "name" else str(fp[k])
+                            for k in ("name", "torch", "triton", "cuda", "driver", "cpus") if fp.get(k) is not None)
+        return {
+            "op": op, "problem": problem._asdict(), "device_class": self.o.device, "fingerprint": summary,
+            "fingerprint_hash": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12],
+            "kernel_set": kernel_set_version(op, self.backend),
+            "kernel_versions": {i.name: i.version for i in impls(op, backend=self.backend)},
+        }
 
     def _resume(self, task: Task, rows: list[Trial]) -> None:
-        """Pick up an interrupted study: finished trials count, running ones are failed."""
+        """Pick up an interrupted study: finished trials count, running ones of dead runs are failed."""
         for r in rows:
             key = _params_key(r.impl, r.params)
             value = r.median_ms if r.status == OK else None
@@ -292,9 +586,19 @@ class Tuner:
                     {"impl": r.impl, "params": r.params, "vendor": kernel_space.get_impl(task.op, r.impl).vendor,
                      "median_ms": r.median_ms, "spread_ms": r.spread_ms or 0.0}
                 )
+        live: dict[int, bool] = {}
         for t in task.study.get_trials(deepcopy=False):
             if t.state == TrialState.RUNNING:
-                task.study.tell(t.number, state=TrialState.FAIL)
+                rid = t.user_attrs.get(RUN_ATTR)
+                if rid is not None and rid not in live:
+                    with Session(self.engine) as s:
+                        live[rid] = rid != self.run_id and self._run_alive(s.get(Run, rid))
+                if rid is not None and live[rid]:
+                    continue  # a live run's trial in flight: not ours to end
+                try:
+                    task.study.tell(t.number, state=TrialState.FAIL)
+                except (ValueError, RuntimeError):  # finished by its run meanwhile
+                    pass
             elif t.state == TrialState.WAITING:
                 continue
             elif t.state == TrialState.PRUNED:
@@ -337,20 +641,55 @@ class Tuner:
                 task.seeds.append((impl, params))
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _loop(self, tasks: list[Task], t0: float) -> None:
+    def _loop(self, items: list[tuple[str, Any]], t0: float) -> None:
+        prog = Progress(self.o.progress, self.o.log)
+        self.log = prog.log  # lines go above the bar
+        try:
+            self._loop_with(items, t0, prog)
+        finally:
+            prog.close()
+            self.log = self.o.log
+
+    def _show(self, tasks: list[Task], t0: float, prog: Progress) -> None:
+        quota = [min(t.budget, t.space) if t.tunables else 0 for t in tasks]
+        done = [t.state == "done" for t in tasks]
+        trials = sum(t.asked for t in tasks)
+        # one step per trial of the budget plus one per problem (its vendors and the confirmation)
+        steps = sum(q + 1 if d else min(t.asked, q) for t, q, d in zip(tasks, quota, done))
+        prog.update(time.monotonic() - t0, sum(done), len(tasks), trials, sum(quota), steps, sum(quota) + len(tasks),
+                    self.best_speedup)
+
+    def _loop_with(self, items: list[tuple[str, Any]], t0: float, prog: Progress) -> None:
         o = self.o
-        pending = deque(tasks)
+        tasks = self.tasks
+        pending = deque(items)  # (op, problem) not yet claimed
+        waiting: list = []  # leased to another live run: tried again now and then
+        retry_at, said = 0.0, False
         active: list[Task] = []
         window = len(self.pool.slots) + 1  # few problems at once keeps inputs resident on the device
-        last_report = time.monotonic()
         ready: deque = deque()  # jobs asked ahead (in flight for their task), next to be submitted
-        while pending or active:
+        while pending or active or waiting:
             out_of_time = o.timeout_s is not None and time.monotonic() - t0 > o.timeout_s
-            if out_of_time and pending:
-                self.log(f"time limit of {o.timeout_s:.0f} s reached: {len(pending)} problem(s) left for the next run of the same command")
+            if out_of_time and (pending or waiting):
+                self._left = len(pending) + len(waiting)
+                self.log(f"time limit of {o.timeout_s:.0f} s reached: {self._left} problem(s) left for the next run of the same command")
                 pending.clear()
+                waiting.clear()
+            if waiting and not pending and len(active) < window and time.monotonic() >= retry_at:
+                if not said:
+                    self.log(f"{len(waiting)} problem(s) leased to other running tuners: waiting for them")
+                    said = True
+                pending.extend(waiting)
+                waiting.clear()
+                retry_at = time.monotonic() + min(5.0, lease_s() / 4)
             while pending and len(active) < window:
-                active.append(pending.popleft())
+                op, problem = pending.popleft()
+                task = self._claim_task(op, problem)
+                if task == "held":
+                    waiting.append((op, problem))
+                elif task is not None:
+                    tasks.append(task)
+                    active.append(task)
             for slot in self.pool.free():
                 job = ready.popleft() if ready else self._pick(active, out_of_time)
                 if job is None:
@@ -364,6 +703,8 @@ class Tuner:
                 if job[0] == "measure":
                     self.pool.prefetch(len(ready), job[1][0])
                 ready.append(job)
+            if not self.pool.busy() and not ready and waiting and not pending:
+                time.sleep(0.2)
             for job, res, fail in self.pool.poll(0.2):
                 self._finish(job, res, fail)
             for task in list(active):
@@ -371,11 +712,9 @@ class Tuner:
                     task.state = "confirm"
                 if task.state == "done":
                     active.remove(task)
-            if time.monotonic() - last_report > 10:
-                last_report = time.monotonic()
-                done = sum(t.state == "done" for t in tasks)
-                trials = sum(t.asked for t in tasks)
-                self.log(f"[{time.monotonic() - t0:5.0f}s] {done}/{len(tasks)} problems done, {trials} trials asked")
+                    self._release(task.problem_id)
+            self._show(tasks, t0, prog)
+        self._show(tasks, t0, prog)
 
     def _pick(self, active: list[Task], out_of_time: bool):
         """The next job, taking the active problems in turn."""
@@ -426,6 +765,7 @@ class Tuner:
                 fixed.update({f"{name}.{k}": v for k, v in params.items()})
                 task.study.enqueue_trial(fixed, skip_if_exists=False)
             trial = task.study.ask()
+            trial.set_user_attr(RUN_ATTR, self.run_id)
             name, params = _suggest(trial, task.tunables)
             impl = kernel_space.get_impl(task.op, name)
             key = _params_key(name, params)
@@ -440,6 +780,7 @@ class Tuner:
                     nb = unseen_neighbour(tun, params, task.problem, self.backend, task.seen, self._rng)
                     if nb is not None and not task.seeds and task.asked < task.budget:
                         task.seeds.append((name, nb))
+                _set_attrs(trial.set_user_attr, {}, {"impl": name, "status": status})
                 self._tell(task, trial, status, value)
                 continue
             why = impl.why_not(task.problem, params, self.backend)
@@ -447,6 +788,7 @@ class Tuner:
                 task.seen[key] = (PRUNED, None)
                 task.pruned += 1
                 self._record(task, trial.number, name, params, {"status": PRUNED, "error": why})
+                _set_attrs(trial.set_user_attr, {}, _trial_attrs(name, {"status": PRUNED, "error": why}))
                 self._tell(task, trial, PRUNED, None)
                 continue
             task.in_flight += 1
@@ -463,8 +805,12 @@ class Tuner:
             return
         if status == OK:
             task.study.tell(trial, value)
+        elif status == PRUNED:
+            task.study.tell(trial, state=TrialState.PRUNED)
         else:
-            task.study.tell(trial, state=TrialState.PRUNED if status == PRUNED else TrialState.FAIL)
+            # crashed, hung, wrong, failed to compile: infinitely slow to TPE, which ignores FAIL trials and so proposed
+            # them again and again (in replays: 205 of 300 asks near a failed region as FAIL, 30 as inf)
+            task.study.tell(trial, float("inf"))
 
     def _finish(self, job, res: dict, fail: str | None) -> None:
         kind, task = job[0], job[1]
@@ -491,6 +837,8 @@ class Tuner:
             task.failures += 1
             self.log(f"  {task.label}: {name} {params} -> {status}: {(res.get('error') or '').splitlines()[0][:160] if res.get('error') else ''}")
         self._record(task, trial.number if trial is not None else None, name, params, res)
+        if trial is not None:
+            _set_attrs(trial.set_user_attr, {}, _trial_attrs(name, res))
         self._tell(task, trial, status, res.get("median_ms"))
 
     def _record(self, task: Task, number: int | None, name: str, params: dict, res: dict) -> None:
@@ -538,6 +886,11 @@ class Tuner:
             if v["median_ms"] - t["median_ms"] > noise:
                 best = t
         vendor = vendors[0] if vendors else best
+        speedup = vendor["median_ms"] / best["median_ms"]
+        if not self._holds(task.problem_id):
+            self.log(f"  {task.label}: its lease passed to another tuner (no heartbeat for {lease_s():.0f} s); not storing")
+            return
+        self.best_speedup = max(speedup, self.best_speedup or 0.0)
         with Session(self.engine) as s:
             old = s.scalars(select(Winner).filter_by(device_class=self.o.device, problem_id=task.problem_id)).first()
             if old is not None:
@@ -548,7 +901,7 @@ class Tuner:
                 study=task.study_name, impl=best["impl"], kernel_version=kernel_space.get_impl(task.op, best["impl"]).version,
                 params=best["params"], median_ms=best["median_ms"], spread_ms=best["spread_ms"],
                 vendor_impl=vendor["impl"], vendor_ms=vendor["median_ms"], speedup=vendor["median_ms"] / best["median_ms"],
-                trials=task.asked,
+                trials=task.asked, conditions=self.conditions or None,
             ))
             s.commit()
         self.log(
@@ -559,9 +912,12 @@ class Tuner:
 
     def summary(self) -> list[dict]:
         """Winners of this run's problems, in the order given."""
-        out = []
+        out, seen = [], set()
         with Session(self.engine) as s:
             for op, problem in self.o.problems:
+                if (op, problem_key(problem)) in seen:
+                    continue
+                seen.add((op, problem_key(problem)))
                 p = s.scalars(select(Problem).filter_by(op=op, key=problem_key(problem))).first()
                 w = p and s.scalars(select(Winner).filter_by(device_class=self.o.device, problem_id=p.id)).first()
                 if w:

@@ -38,8 +38,16 @@ def _winner_dict(w: Winner, p: Problem) -> dict:
     return {
         "op": p.op, "problem": _ordered(p.op, json.loads(p.key)), "impl": w.impl, "params": w.params, "kernel_version": w.kernel_version,
         "median_ms": w.median_ms, "spread_ms": w.spread_ms, "vendor_impl": w.vendor_impl, "vendor_ms": w.vendor_ms,
-        "speedup": w.speedup, "trials": w.trials,
+        "speedup": w.speedup, "trials": w.trials, "conditions": _conditions(w.conditions),
     }
+
+
+_CONDITION_KEYS = ("threads", "torch", "triton", "cuda", "cudnn", "cublas", "driver", "sm_clock_mhz", "power_limit_w", "ecc")
+
+
+def _conditions(c: dict | None) -> dict:
+    """What the winner was measured under (known keys only; {} for winners stored before conditions were recorded)."""
+    return {k: c[k] for k in _CONDITION_KEYS if c and c.get(k) is not None}
 
 
 def _ordered(op: str, problem: dict) -> dict:

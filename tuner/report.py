@@ -5,9 +5,16 @@ import json
 from typing import Any
 
 
+def _num(v: Any, fmt: str = ".4g") -> str:
+    """A number as `fmt`; anything else (a hand-edited table) as short text, never an exception."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format(v, fmt)
+    return str(v)[:20]
+
+
 def _short_problem(problem: dict) -> str:
     parts = []
-    for k, v in problem.items():
+    for k, v in (problem.items() if isinstance(problem, dict) else []):
         if isinstance(v, bool):
             if v:
                 parts.append(k)
@@ -20,10 +27,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     header = ("op", "problem", "winner", "params", "ms", "vendor", "vendor ms", "speedup")
     lines = [header]
     for r in rows:
-        params = json.dumps(r["params"], separators=(",", ":"))[1:-1] or "-"
+        params = json.dumps(r.get("params"), separators=(",", ":"), default=str)[1:-1] or "-"
         lines.append((
-            r["op"], _short_problem(r["problem"]), r["impl"], params, f"{r['median_ms']:.4g}",
-            r["vendor_impl"], f"{r['vendor_ms']:.4g}", f"{r['speedup']:.2f}x",
+            r.get("op"), _short_problem(r.get("problem")), r.get("impl"), params, _num(r.get("median_ms")),
+            r.get("vendor_impl"), _num(r.get("vendor_ms")), f"{_num(r.get('speedup'), '.2f')}x",
         ))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     out = []
@@ -37,10 +44,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def format_markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| op | problem | winner | params | ms | vendor | vendor ms | speedup |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        params = json.dumps(r["params"], separators=(",", ":"))[1:-1] or "-"
+        params = json.dumps(r.get("params"), separators=(",", ":"), default=str)[1:-1] or "-"
         out.append(
-            f"| {r['op']} | {_short_problem(r['problem'])} | {r['impl']} | {params} | {r['median_ms']:.4g} | "
-            f"{r['vendor_impl']} | {r['vendor_ms']:.4g} | {r['speedup']:.2f}x |"
+            f"| {r.get('op')} | {_short_problem(r.get('problem'))} | {r.get('impl')} | {params} | {_num(r.get('median_ms'))} | "
+            f"{r.get('vendor_impl')} | {_num(r.get('vendor_ms'))} | {_num(r.get('speedup'), '.2f')}x |"
         )
     return "\n".join(out)
 
@@ -51,8 +58,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['op']} {_short_problem(r['problem'])}" for r in rows]
-    speed = [r["speedup"] for r in rows]
+    labels = [f"{r.get('op')} {_short_problem(r.get('problem'))}" for r in rows]
+    speed = [r.get("speedup") if isinstance(r.get("speedup"), (int, float)) else 0.0 for r in rows]
     fig, ax = plt.subplots(figsize=(10, max(3, 0.32 * len(rows) + 1)))
     colors = ["tab:green" if s > 1.0 else "tab:gray" for s in speed]
     ax.barh(range(len(rows)), speed, color=colors)

@@ -13,7 +13,8 @@ class Measurer:
     """Measures trials for one device; the tuner kills and replaces it when a kernel hangs or crashes it."""
 
     def __init__(
-        self, device: str, plugins: list[str] | None = None, sys_path: list[str] | None = None, compile_workers: int = 0
+        self, device: str, plugins: list[str] | None = None, sys_path: list[str] | None = None, compile_workers: int = 0,
+        threads: int | None = None, accuracy: float | None = 2.0,
     ) -> None:
         for p in reversed(sys_path or []):
             if p not in sys.path:
@@ -22,6 +23,12 @@ class Measurer:
             importlib.import_module(mod)
         from .measure import Bench
 
+        if threads:
+            # Ray's num_cpus=1 sets OMP_NUM_THREADS=1 here; measure with the threads a production process uses.
+            import torch
+
+            torch.set_num_threads(int(threads))
+            os.environ["OMP_NUM_THREADS"] = str(int(threads))
         if device.startswith("cuda"):
             import torch
 
@@ -29,7 +36,7 @@ class Measurer:
             torch.cuda.set_device(0)
             device = "cuda:0"
         self.device = device
-        self.bench = Bench(device)
+        self.bench = Bench(device, accuracy)
         self.ahead = None
         if compile_workers and device.startswith("cuda"):
             from .compile_ahead import CompileAhead
@@ -39,9 +46,10 @@ class Measurer:
     def info(self) -> dict[str, Any]:
         from kernel_space._device import local_device_class
 
-        from .measure import fingerprint
+        from .measure import conditions, fingerprint
 
         return {
+            "conditions": conditions(self.device),
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
             "device_class": local_device_class(self.device),

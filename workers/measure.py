@@ -1,8 +1,10 @@
 """Measuring one trial in this process: inputs, correctness gate, timing, a result record."""
 from __future__ import annotations
 
+import inspect
+import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -16,90 +18,233 @@ OK, PRUNED, COMPILE_ERROR, OUT_OF_RESOURCES, WRONG_RESULT, RUNTIME_ERROR, TIMEOU
     "ok", "pruned", "compile_error", "out_of_resources", "wrong_result", "runtime_error", "timeout", "crashed",
 )
 _FATAL_CUDA = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address")
+INPUT_SEED = 1234  # the inputs trials are checked and timed on
 
 
-def classify(exc: BaseException) -> tuple[str, bool]:
-    """(status, context_lost) for an exception raised by a candidate."""
-    text = f"{type(exc).__name__}: {exc}"
-    name = type(exc).__name__
+def context_alive(device: torch.device | str) -> bool:
+    """Whether the device still runs work (a CUDA context a kernel broke does not); always True off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).item()
+        return True
+    except Exception:
+        return False
+
+
+def classify(exc: BaseException, device: torch.device | str | None = None, *, first_call: bool = False) -> tuple[str, bool]:
+    """(status, context_lost) for an exception raised by a candidate.
+
+    With `device`, a CUDA context is probed, so a lost one is seen whatever the message says.
+    `first_call`: the exception came from the candidate's first call, where Triton's own
+    exception types mean it did not compile.
+    """
+    name, module = type(exc).__name__, type(exc).__module__ or ""
+    text = f"{name}: {exc}"
+    low = text.lower()
     if any(s in text for s in _FATAL_CUDA):
         return RUNTIME_ERROR, True
-    if "OutOfResources" in name or "out of resource" in text.lower():
-        return OUT_OF_RESOURCES, False
-    if "CompilationError" in name or "CompileTimeAssertionFailure" in name or "PTXAS" in text:
-        return COMPILE_ERROR, False
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return OUT_OF_RESOURCES, False
-    return RUNTIME_ERROR, False
+    lost = device is not None and not context_alive(device)
+    if "OutOfResources" in name or "out of resource" in low:
+        return OUT_OF_RESOURCES, lost
+    if "Compil" in name or "CompilationError" in text or "ptxas" in low or (first_call and module.startswith("triton")):
+        return COMPILE_ERROR, lost
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in low:
+        return OUT_OF_RESOURCES, lost
+    return RUNTIME_ERROR, lost
 
 
-def _short(exc: BaseException, limit: int = 2000) -> str:
-    lines = traceback.format_exception_only(type(exc), exc)
-    return "".join(lines).strip()[:limit]
+def short_error(exc: BaseException, limit: int = 2000, lines: int | None = None) -> str:
+    """The exception as text; with `lines`, its first non-empty lines joined on one line."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    if lines:
+        text = " / ".join([ln.strip() for ln in text.splitlines() if ln.strip()][:lines])
+    return text[:limit]
+
+
+def takes_out(fn: Callable[..., Any]) -> bool:
+    try:
+        return "out" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _first(x: Any) -> Any:
+    return x[0] if isinstance(x, (tuple, list)) and x else x
+
+
+def check_output(
+    fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, device: torch.device | str, out: bool = False
+) -> dict[str, Any]:
+    """Relative error of `fn(*args, **attrs)` against `ref`, output left unwritten showing as NaN.
+
+    With `out`, `fn` also writes into a NaN-filled `out=` (the larger error counts; an `out=`
+    it refuses is noted).  On CUDA the result it allocates itself comes from a NaN-filled
+    block of the caching allocator.  Exceptions from `fn` propagate.
+    """
+    device = torch.device(device)
+    dtype = args[0].dtype if args and torch.is_tensor(args[0]) else torch.float32
+    errs: list[float] = []
+    rec: dict[str, Any] = {"poisoned_out": False}
+    if out and torch.is_tensor(ref):
+        poisoned = torch.full(ref.shape, float("nan"), dtype=dtype, device=device)
+        try:
+            res = fn(*args, out=poisoned, **attrs)
+            _sync(device)
+        except Exception as exc:
+            if classify(exc)[1]:
+                raise
+            rec["note"] = f"out= rejected ({short_error(exc, 120, lines=2)}); checked without it"
+        else:
+            rec["poisoned_out"] = True
+            errs.append(relative_error(poisoned, ref))
+            if res is not None and res is not poisoned:
+                errs.append(relative_error(_first(res), ref))
+        del poisoned
+    if torch.is_tensor(ref) and device.type == "cuda" and dtype.is_floating_point:
+        torch.full((ref.numel(),), float("nan"), dtype=dtype, device=device)  # freed at once, reused next
+    res = fn(*args, **attrs)
+    _sync(device)
+    errs.append(relative_error(_first(res), ref))
+    rec["rel_error"] = max(errs)
+    return rec
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Bench:
     """Inputs and references per problem, kept while the same problem is measured."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, accuracy: float | None = 2.0) -> None:
         self.device = torch.device(device)
+        self.accuracy = accuracy  # a candidate's error may be at most this times the vendor kernel's (None: off)
         self._cache: dict[tuple, tuple] = {}
+        self._vendor_err: dict[tuple, tuple[str, float] | None] = {}
 
-    def inputs(self, op: str, problem: Any) -> tuple:
-        key = (op, tuple(problem))
+    def inputs(self, op: str, problem: Any, seed: int = INPUT_SEED) -> tuple:
+        """(args, attrs, reference) for `problem`, built once per seed."""
+        key = (op, tuple(problem), seed)
         hit = self._cache.get(key)
         if hit is None:
             if len(self._cache) >= 4:
-                self._cache.clear()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                self.clear()
             spec = get_op(op)
-            args, attrs = spec.make_inputs(problem, self.device, seed=1234)
+            args, attrs = spec.make_inputs(problem, self.device, seed=seed)
             ref = spec.reference(*args, **attrs)
             hit = self._cache[key] = (args, attrs, ref)
         return hit
 
-    def run(self, trial: dict[str, Any], *, budget_s: float = 0.5, reps: int = 25) -> dict[str, Any]:
-        """Check then time one candidate; every failure becomes a status, never an exception."""
-        op, impl_name, params = trial["op"], trial["impl"], trial.get("params") or {}
+    def clear(self) -> None:
+        """Drop the kept inputs and references."""
+        self._cache.clear()
+        self._vendor_err.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def run(self, trial: dict[str, Any], *, budget_s: float = 0.5, reps: int = 25, warmup: int = 2) -> dict[str, Any]:
+        """Check then time one candidate; every failure becomes a status, never an exception.
+
+        The check is the candidate's first call (compilation included): its duration is
+        `first_call_s`.  `budget_s`, `reps` and `warmup` go to time_fn.
+        """
         result: dict[str, Any] = {"status": OK, "error": None, "context_lost": False}
+        first_call = False
         try:
-            spec = get_op(op)
-            problem = spec.parse_problem(trial["problem"])
-            impl = get_impl(op, impl_name)
-            why = impl.why_not(problem, params, kernel_space.backend_of(self.device))
+            spec, problem, impl, params, why = self._resolve(trial)
             if why:
                 return {**result, "status": PRUNED, "error": why}
-            args, attrs, ref = self.inputs(op, problem)
+            args, attrs, _ = self.inputs(spec.name, problem)
             fn = impl.bind(params)
-            out = fn(*args, **attrs)
-            self._sync()
-            err = relative_error(out, ref)
-            result["rel_error"] = err
-            if not err <= spec.tolerance(problem.dtype):
-                return {**result, "status": WRONG_RESULT, "error": f"relative error {err:.3g} > {spec.tolerance(problem.dtype):.3g}"}
-            del out
-            t = time_fn(lambda: fn(*args, **attrs), device=self.device, budget_s=budget_s, reps=reps)
+            first_call, t0 = True, time.perf_counter()
+            result.update(self._gate(spec, problem, impl, fn, INPUT_SEED))
+            first_call = False
+            result["first_call_s"] = round(time.perf_counter() - t0, 3)
+            if result["status"] != OK:
+                return result
+            t = time_fn(lambda: fn(*args, **attrs), device=self.device, budget_s=budget_s, reps=reps, warmup=warmup)
             result.update(t.as_dict())
             return result
         except BaseException as exc:  # a candidate may raise anything; it is data, not a crash
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            status, lost = classify(exc)
-            return {**result, "status": status, "error": _short(exc), "context_lost": lost}
+            return {**result, **self._failure(exc, first_call)}
 
-    def confirm(self, op: str, problem_data: dict, candidates: list[dict], *, rounds: int = 5) -> dict[str, dict]:
+    def check(self, trial: dict[str, Any], *, seed: int = INPUT_SEED) -> dict[str, Any]:
+        """The correctness gate of `run` alone, on the inputs of `seed`; never raises."""
+        result: dict[str, Any] = {"status": OK, "error": None, "context_lost": False}
+        try:
+            spec, problem, impl, params, why = self._resolve(trial)
+            if why:
+                return {**result, "status": PRUNED, "error": why}
+            return {**result, **self._gate(spec, problem, impl, impl.bind(params), seed)}
+        except BaseException as exc:
+            return {**result, **self._failure(exc, False)}
+
+    def confirm(
+        self, op: str, problem_data: dict, candidates: list[dict], *, rounds: int = 5, budget_s: float = 0.2,
+        reps: int = 15, warmup: int = 2,
+    ) -> dict[str, dict]:
         """Re-measure finalists interleaved; keyed by the candidate's 'key'."""
         spec = get_op(op)
         problem = spec.parse_problem(problem_data)
         args, attrs, _ = self.inputs(op, problem)
         fns = {c["key"]: (lambda f=get_impl(op, c["impl"]).bind(c.get("params") or {}): f(*args, **attrs)) for c in candidates}
-        res = interleaved(fns, device=self.device, rounds=rounds, budget_s=0.2, reps=15)
+        res = interleaved(fns, device=self.device, rounds=rounds, budget_s=budget_s, reps=reps, warmup=warmup)
         return {k: v.as_dict() for k, v in res.items()}
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _resolve(self, trial: dict[str, Any]) -> tuple:
+        """(spec, problem, impl, params, why the configuration cannot run or None)."""
+        spec = get_op(trial["op"])
+        problem = spec.parse_problem(trial["problem"])
+        impl = get_impl(trial["op"], trial["impl"])
+        params = trial.get("params") or {}
+        return spec, problem, impl, params, impl.why_not(problem, params, kernel_space.backend_of(self.device))
+
+    def _gate(self, spec: Any, problem: Any, impl: Any, fn: Callable[..., Any], seed: int) -> dict[str, Any]:
+        args, attrs, ref = self.inputs(spec.name, problem, seed)
+        res = check_output(fn, args, attrs, ref, device=self.device, out=takes_out(impl.fn))
+        err, tol = res["rel_error"], spec.tolerance(problem.dtype)
+        if not err <= tol:
+            res.update(status=WRONG_RESULT, error=f"relative error {err:.3g} > {tol:.3g}")
+        elif self.accuracy and not impl.vendor:
+            ven = self.vendor_error(spec, problem, seed)
+            if ven is not None:
+                name, verr = ven
+                floor = torch.finfo(args[0].dtype).eps / 16 if args and torch.is_tensor(args[0]) and args[0].dtype.is_floating_point else 0.0
+                limit = self.accuracy * max(verr, floor)
+                res["vendor_rel_error"] = verr
+                if err > limit:
+                    res.update(status=WRONG_RESULT, error=(
+                        f"relative error {err:.3g} is {err / max(verr, 1e-300):.1f}x the vendor kernel's ({name}: {verr:.3g}); "
+                        f"--accuracy allows {self.accuracy:g}x"))
+        return res
+
+    def vendor_error(self, spec: Any, problem: Any, seed: int) -> tuple[str, float] | None:
+        """(name, relative error) of the vendor kernel the runtime falls back to, on the same inputs; None if none runs."""
+        key = (spec.name, tuple(problem), seed)
+        if key not in self._vendor_err:
+            self._vendor_err[key] = None
+            args, attrs, ref = self.inputs(spec.name, problem, seed)
+            backend = kernel_space.backend_of(self.device)
+            for v in kernel_space.impls(spec.name, backend=backend):
+                if not v.vendor or v.why_not(problem, backend=backend) is not None:
+                    continue
+                try:
+                    r = check_output(v.bind({}), args, attrs, ref, device=self.device)
+                except Exception:
+                    continue
+                self._vendor_err[key] = (v.name, r["rel_error"])
+                break
+        return self._vendor_err[key]
+
+    def _failure(self, exc: BaseException, first_call: bool) -> dict[str, Any]:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
+        status, lost = classify(exc, self.device, first_call=first_call)
+        return {"status": status, "error": short_error(exc), "context_lost": lost}
 
 
 def fingerprint(device: str) -> dict[str, Any]:
@@ -141,3 +286,66 @@ def _driver_version() -> str | None:
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except Exception:
         return None
+
+
+def conditions(device: str) -> dict[str, Any]:
+    """What a winner was measured under, beyond the kernel source: library versions, threads, clocks.
+
+    Keys: threads, torch, triton, cuda, cudnn, cublas, driver, sm_clock_mhz, sm_clock_max_mhz, power_limit_w, ecc
+    (None where unknown); never raises.
+    """
+    import importlib.metadata as md
+
+    d = torch.device(device)
+    c: dict[str, Any] = {"threads": torch.get_num_threads(), "torch": torch.__version__, "triton": None, "cuda": torch.version.cuda,
+                         "cudnn": None, "cublas": None, "driver": None, "sm_clock_mhz": None, "sm_clock_max_mhz": None,
+                         "power_limit_w": None, "ecc": None}
+    try:
+        import triton
+
+        c["triton"] = triton.__version__
+    except Exception:
+        pass
+    try:
+        v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        c["cudnn"] = str(v) if v is not None else None
+    except Exception:
+        pass
+    for dist in ("nvidia-cublas-cu12", "nvidia-cublas-cu13", "nvidia-cublas"):
+        try:
+            c["cublas"] = md.version(dist)
+            break
+        except Exception:
+            continue
+    if d.type == "cuda":
+        c.update(_gpu_state(d))
+    else:  # not what a CPU kernel runs on: a new CUDA build must not stale CPU winners
+        c.update(cuda=None, cudnn=None, cublas=None)
+    return c
+
+
+def _gpu_state(d: torch.device) -> dict[str, Any]:
+    """Driver, SM clock (now and max), power limit and ECC of `d` from nvidia-smi; {} without it."""
+    import subprocess
+
+    try:
+        uuid = str(torch.cuda.get_device_properties(d).uuid)
+        ident = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        q = "driver_version,clocks.sm,clocks.max.sm,power.limit,ecc.mode.current"
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits", "-i", ident],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode != 0 or not out.stdout.strip():
+            return {}
+        vals = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+    except Exception:
+        return {}
+
+    def num(v: str) -> float | None:
+        try:
+            return float(v)
+        except ValueError:
+            return None
+
+    driver, sm, sm_max, power, ecc = (vals + [""] * 5)[:5]
+    return {"driver": driver or None, "sm_clock_mhz": num(sm), "sm_clock_max_mhz": num(sm_max), "power_limit_w": num(power),
+            "ecc": ecc.lower() if ecc and ecc not in ("[N/A]", "N/A") else None}

@@ -1,4 +1,4 @@
-"""Triton kernels behind gemm_triton; imported on first call so that `import kernel_space` needs no triton."""
+"""gemm's Triton kernels and their launch (needs triton; `triton.py` imports this on the first call)."""
 from __future__ import annotations
 
 import torch

@@ -1,16 +1,16 @@
 """attention forward on CUDA through Triton: flash attention (online softmax in fp32, exp2).
 
-The kernels live in `_triton_attention_kernels` and load on first call, so this module
-imports without triton.
+The space, the validity check and the launch wrapper; the kernels (`_kernels`) load on the
+first call, so this module imports without triton.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ._common import ITEMSIZE, pow2_at_least
-from ._registry import register_impl
-from .attention import AttentionProblem
-from .gemm_triton import MAX_MMA_SYNC_REGS, SMEM_BUDGET, smem_buffers, warpgroup_mma
+from .._common import ITEMSIZE, pow2_at_least
+from .._hopper import MAX_MMA_SYNC_REGS, SMEM_BUDGET, smem_buffers, warpgroup_mma
+from .._registry import LazyModule, register_triton
+from .problem import AttentionProblem
 
 if TYPE_CHECKING:
     import torch
@@ -68,21 +68,10 @@ def check(p: AttentionProblem, c: Mapping[str, Any]) -> str | None:
     return None
 
 
-_kernels: Any = None
+_kernels = LazyModule(__package__ + "._kernels")
 
 
-def _load_kernels() -> Any:
-    """Import the Triton kernels on first use (a cached global: the import statement costs µs per call)."""
-    global _kernels
-    from . import _triton_attention_kernels
-
-    _kernels = _triton_attention_kernels
-    return _kernels
-
-
-@register_impl(
-    "attention", name="triton_flash", priority=50, backends=("cuda",), space=SPACE, check=check, requires=("triton",)
-)
+@register_triton("attention", "triton_flash", space=SPACE, check=check)
 def triton_flash(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,4 +86,4 @@ def triton_flash(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(Q Kᵀ/√D) V for (B, H, S, D) tensors of any strides; `out` receives the result if given."""
-    return (_kernels or _load_kernels()).attention(q, k, v, causal, BLOCK_M, BLOCK_N, num_warps, num_stages, streams, out=out)
+    return _kernels.attention(q, k, v, causal, BLOCK_M, BLOCK_N, num_warps, num_stages, streams, out=out)

@@ -1,4 +1,4 @@
-"""Triton implicit-GEMM conv2d; imported on first call (needs triton).
+"""conv2d's Triton kernel (implicit GEMM) and its launch (needs triton; `triton.py` imports this on the first call).
 
 GEMM view: M = N·P·Q output pixels, N = K output channels, reduction over (r, s, c). Each
 reduction step is one filter tap (r, s) and one block of BLOCK_K channels, so the channel

@@ -1,4 +1,4 @@
-"""Triton flash-attention forward behind attention_triton; imported on first call."""
+"""attention's Triton kernels (flash-attention forward) and their launch (needs triton)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Triton kernels for layer_norm and rms_norm; imported on first call (needs triton).
+"""layer_norm's Triton kernels and their launch (needs triton); rms_norm runs them with RMS=True.
 
 Statistics are accumulated in fp32 whatever the input dtype.
 """
@@ -7,20 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._rowwise import block_n, grid, rows_view
-
-
-@triton.jit
-def _row_offsets(tile, rows, ROWS: tl.constexpr):
-    r = tile * ROWS + tl.arange(0, ROWS)
-    # Rows past the end load the last row (no row mask on loads, no NaN) and are never stored.
-    return r, tl.minimum(r, rows - 1).to(tl.int64)
+from .._rowwise import block_n, grid, rows_view
+from .._rowwise_jit import row_offsets
 
 
 @triton.jit
 def _single_tile(X, Y, w, b, tile, rows, cols, stride_x, stride_y, eps,
                  RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    r, rl = _row_offsets(tile, rows, ROWS)
+    r, rl = row_offsets(tile, rows, ROWS)
     c = tl.arange(0, BLOCK_N)
     cmask = c[None, :] < cols
     x = tl.load(X + rl[:, None] * stride_x + c[None, :], mask=cmask, other=0.0).to(tl.float32)
@@ -60,7 +54,7 @@ def norm_single(X, W, B, Y, rows, cols, stride_x, stride_y, eps,
 def _looped_tile(X, W, B, Y, tile, rows, cols, stride_x, stride_y, eps,
                  RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                  NUM_STAGES: tl.constexpr):
-    r, rl = _row_offsets(tile, rows, ROWS)
+    r, rl = row_offsets(tile, rows, ROWS)
     xrow = X + rl[:, None] * stride_x
     mean = tl.zeros([ROWS], dtype=tl.float32)
     m2 = tl.zeros([ROWS], dtype=tl.float32)

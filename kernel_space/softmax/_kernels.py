@@ -1,16 +1,16 @@
-"""Triton kernels for softmax over the last dimension; imported on first call (needs triton)."""
+"""softmax's Triton kernels and their launch (needs triton; `triton.py` imports this on the first call)."""
 # No `from __future__ import annotations`: Triton reads the tl.constexpr annotations.
 import torch
 import triton
 import triton.language as tl
 
-from ._rowwise import block_n, grid, rows_view
-from ._triton_norm_kernels import _row_offsets
+from .._rowwise import block_n, grid, rows_view
+from .._rowwise_jit import row_offsets
 
 
 @triton.jit
 def _single_tile(X, Y, tile, rows, cols, stride_x, stride_y, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    r, rl = _row_offsets(tile, rows, ROWS)
+    r, rl = row_offsets(tile, rows, ROWS)
     c = tl.arange(0, BLOCK_N)
     cmask = c[None, :] < cols
     x = tl.load(X + rl[:, None] * stride_x + c[None, :], mask=cmask, other=-float("inf")).to(tl.float32)
@@ -35,7 +35,7 @@ def softmax_single(X, Y, rows, cols, stride_x, stride_y, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _looped_tile(X, Y, tile, rows, cols, stride_x, stride_y, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                  NUM_STAGES: tl.constexpr):
-    r, rl = _row_offsets(tile, rows, ROWS)
+    r, rl = row_offsets(tile, rows, ROWS)
     xrow = X + rl[:, None] * stride_x
     m = tl.full([ROWS], -float("inf"), dtype=tl.float32)
     s = tl.zeros([ROWS], dtype=tl.float32)

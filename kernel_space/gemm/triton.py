@@ -1,28 +1,19 @@
 """gemm on CUDA through Triton: a tiled tensor-core kernel, grouped tile order, optional split-K.
 
-The kernels live in `_triton_gemm_kernels` and load on first call, so this module (and
-its parameter space and check) imports without triton.
+The space, the validity check and the launch wrapper; the kernels (`_kernels`) load on the
+first call, so this module imports without triton.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ._common import ITEMSIZE, pow2_at_least
-from ._registry import register_impl
-from .gemm import GemmProblem
+from .._common import ITEMSIZE, pow2_at_least
+from .._hopper import MAX_ACC_REGS, MAX_MMA_SYNC_REGS, SMEM_BUDGET, smem_buffers, warpgroup_mma
+from .._registry import LazyModule, register_triton
+from .problem import GemmProblem
 
 if TYPE_CHECKING:
     import torch
-
-# H100/H200 give a block up to 227 KiB of shared memory; 3 KiB stay spare for anything
-# the compiler adds (Triton 3.9 adds nothing to these kernels). A100 (163 KiB) fails the rest.
-SMEM_BUDGET = 224 * 1024
-# Register budgets per thread, from sm_90 builds with Triton 3.9. Accumulator: 128x256 tiles
-# take 208 registers with 8 warps, but spill 736 bytes with 4 (256 accumulator registers).
-# mma.sync also holds its operand tiles in registers: estimates up to ~200 built without
-# spills, 320 and more spilled 250-450 bytes.
-MAX_ACC_REGS = 128
-MAX_MMA_SYNC_REGS = 240
 
 SPACE: dict[str, tuple] = {
     # Large tiles (128x256x64, 8 warps, 3 stages; 128x128x64, 4 stages) are where Triton
@@ -40,24 +31,6 @@ SPACE: dict[str, tuple] = {
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def warpgroup_mma(block_m: int, num_warps: int) -> bool:
-    """Whether Triton lowers this tile's dots to Hopper warpgroup MMA rather than mma.sync.
-
-    Warpgroup MMA needs whole warpgroups (4 warps) of 64 rows; every sm_90 build of these
-    kernels followed this rule.
-    """
-    return num_warps % 4 == 0 and block_m >= 64
-
-
-def smem_buffers(num_stages: int, wgmma: bool) -> int:
-    """Tile buffers a `num_stages` pipeline allocates (as Triton 3.9 reports for sm_90).
-
-    Warpgroup MMA reads operands from shared memory while the next loads land: one buffer
-    per stage. mma.sync copies operands to registers first, which frees a buffer.
-    """
-    return num_stages if wgmma else max(1, num_stages - 1)
 
 
 def smem_bytes(p: GemmProblem, c: Mapping[str, Any]) -> int:
@@ -102,19 +75,10 @@ def check(p: GemmProblem, c: Mapping[str, Any]) -> str | None:
     return None
 
 
-_kernels: Any = None
+_kernels = LazyModule(__package__ + "._kernels")
 
 
-def _load_kernels() -> Any:
-    """Import the Triton kernels on first use (a cached global: the import statement costs µs per call)."""
-    global _kernels
-    from . import _triton_gemm_kernels
-
-    _kernels = _triton_gemm_kernels
-    return _kernels
-
-
-@register_impl("gemm", name="triton", priority=50, backends=("cuda",), space=SPACE, check=check, requires=("triton",))
+@register_triton("gemm", "triton", space=SPACE, check=check)
 def triton_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -129,4 +93,4 @@ def triton_gemm(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C = A @ B for fp16/bf16/fp32 (tf32 products) with any strides; `out` receives C if given."""
-    return (_kernels or _load_kernels()).gemm(a, b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, out=out)
+    return _kernels.gemm(a, b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, out=out)

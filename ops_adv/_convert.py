@@ -1,0 +1,284 @@
+"""convert_model: the same model, its layers running through ops-adv's ops.
+
+Modules are recognised by what they are and do, not by family name: `nn.Linear`,
+`nn.LayerNorm`, `nn.RMSNorm`, `nn.Conv2d`, and any module shaped like an RMS norm (one
+weight vector, an epsilon, no children) whose output matches the RMS-norm formula on a probe.
+A converted module keeps its class (a subclass is swapped in), its parameters, buffers and
+state_dict keys; its forward calls the op, which runs torch's own function for any call
+ops-adv has no kernel for. Hugging Face models also get ops-adv attention through
+transformers' AttentionInterface when transformers is importable.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from . import _ops
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return _ops.linear(x, self.weight, self.bias)
+
+
+def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if len(self.normalized_shape) != 1 or self.weight is None:
+        return super(type(self), self).forward(x)
+    return _ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if len(self.normalized_shape) != 1 or self.weight is None:
+        return super(type(self), self).forward(x)
+    return _ops.rms_norm(x, self.weight, self.eps)
+
+
+def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if self.padding_mode != "zeros" or isinstance(self.padding, str):
+        return super(type(self), self).forward(x)
+    bn = self.__dict__.get("_ops_adv_bn")
+    if bn is not None and not self.training and not bn.training:
+        w, b = _folded(self, bn)
+        return _ops.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+    return _ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv's weight and bias with the eval-mode BatchNorm after it folded in; recomputed when any changes."""
+    tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var) if t is not None]
+    key = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
+    cached = conv.__dict__.get("_ops_adv_folded")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        scale = torch.rsqrt(bn.running_var.float() + bn.eps)
+        if bn.weight is not None:
+            scale = scale * bn.weight.float()
+        shift = -bn.running_mean.float() * scale
+        if bn.bias is not None:
+            shift = shift + bn.bias.float()
+        if conv.bias is not None:
+            shift = shift + conv.bias.float() * scale
+        w = (conv.weight.float() * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype)
+        b = shift.to(conv.weight.dtype)
+    conv.__dict__["_ops_adv_folded"] = (key, (w, b))
+    return w, b
+
+
+def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
+    conv = self.__dict__.get("_ops_adv_conv")
+    if conv is not None and not self.training and not conv.training:
+        return x  # folded into the conv before it
+    return super(type(self), self).forward(x)
+
+
+def _library_rms_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # The library's own forward (fp32 statistics, then its casts) where dtypes differ.
+    if x.dtype is not self.weight.dtype:
+        return super(type(self), self).forward(x)
+    return _ops.rms_norm(x, self.weight, float(getattr(self, _eps_attr(self))))
+
+
+_FORWARDS = {
+    nn.Linear: _linear_forward,
+    nn.LayerNorm: _layer_norm_forward,
+    nn.Conv2d: _conv2d_forward,
+}
+if hasattr(nn, "RMSNorm"):
+    _FORWARDS[nn.RMSNorm] = _rms_norm_forward
+
+
+def _eps_attr(m: nn.Module) -> str:
+    for name in ("eps", "variance_epsilon", "epsilon"):
+        if isinstance(getattr(m, name, None), float):
+            return name
+    return ""
+
+
+def _swap(m: nn.Module, forward) -> None:
+    """Give `m` a subclass of its class whose forward is `forward` (isinstance and state_dict unchanged)."""
+    cls = type(m)
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "_ops_adv_converted": True,
+                                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    m.__class__ = sub
+
+
+def _looks_like_rms_norm(m: nn.Module) -> str | None:
+    """Why `m` is not an RMS norm ops-adv can run, or None (structure, then a probe of its output)."""
+    params = dict(m.named_parameters(recurse=False))
+    if list(m.children()) or set(params) != {"weight"} or params["weight"].dim() != 1:
+        return "not shaped like an RMS norm (one weight vector, no children)"
+    eps = _eps_attr(m)
+    if not eps:
+        return "no float eps attribute"
+    w = params["weight"]
+    if not w.dtype.is_floating_point or w.device.type == "meta":
+        return "weight is not a floating-point tensor on a device"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(3, w.shape[0], generator=g) * 0.01).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            got = m(x)
+        except Exception as e:  # a forward with another contract
+            return f"forward refused a (rows, {w.shape[0]}) probe: {type(e).__name__}"
+        h = x.float()
+        want = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + getattr(m, eps)) * w.float()
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return "output is not shaped like its input"
+    tol = 1e-5 if w.dtype == torch.float32 else 2e-2
+    err = (got.float() - want).norm() / want.norm().clamp_min(1e-30)
+    if not err <= tol:
+        return f"output differs from x·rsqrt(mean(x²)+eps)·weight (relative error {float(err):.2g})"
+    return None
+
+
+def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    yield from model.named_modules()
+
+
+def convert_model(model: nn.Module, *, attention: bool = True) -> nn.Module:
+    """Run `model`'s Linear, LayerNorm, RMSNorm (any library's), Conv2d layers and attention through ops-adv.
+
+    Converts in place and returns the model, with `tune_for_hardware` attached and
+    `ops_adv.explain_model(model)` describing what was and was not converted.
+    """
+    report: list[dict[str, str]] = []
+    for name, m in _walk(model):
+        if getattr(type(m), "_ops_adv_converted", False):
+            report.append({"module": name, "type": type(m).__name__, "converted": "yes", "why": "already converted"})
+            continue
+        forward = next((f for cls, f in _FORWARDS.items() if type(m) is cls), None)
+        if forward is not None:
+            _swap(m, forward)
+            report.append({"module": name, "type": type(m).__name__, "converted": "yes", "why": f"{type(m).__name__} runs ops_adv"})
+            continue
+        if isinstance(m, tuple(_FORWARDS)):
+            report.append({"module": name, "type": type(m).__name__, "converted": "no",
+                           "why": "a subclass of a convertible layer may override forward: left as is"})
+            continue
+        if type(m).__module__.startswith("torch.nn"):
+            continue  # torch's own modules are matched by type above
+        if "norm" in type(m).__name__.lower() or _eps_attr(m) and not list(m.children()):
+            why = _looks_like_rms_norm(m)
+            if why is None:
+                _swap(m, _library_rms_forward)
+                report.append({"module": name, "type": type(m).__name__, "converted": "yes",
+                               "why": "behaves as an RMS norm (structure and probe)"})
+            else:
+                report.append({"module": name, "type": type(m).__name__, "converted": "no", "why": why})
+    report += _fold_batch_norms(model)
+    if attention:
+        report += _hf_attention(model)
+    model._ops_adv_report = report
+    model.tune_for_hardware = types.MethodType(_tune_method, model)
+    return model
+
+
+def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
+    """Pair each Conv2d with the BatchNorm2d that alone reads its output (found by tracing the model
+    with torch.fx); in eval mode the pair runs as one conv with folded weights."""
+    if not any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
+        return []
+    try:
+        import torch.fx
+
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception as e:
+        return [{"module": "", "type": "Conv2d+BatchNorm2d", "converted": "no",
+                 "why": f"not folded: torch.fx cannot trace the model ({type(e).__name__})"}]
+    modules = dict(model.named_modules())
+    calls: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_module" or not isinstance(modules.get(n.target), nn.BatchNorm2d):
+            continue
+        src = n.args[0] if n.args else None
+        conv = modules.get(getattr(src, "target", None)) if getattr(src, "op", None) == "call_module" else None
+        if not isinstance(conv, nn.Conv2d) or not getattr(type(conv), "_ops_adv_converted", False):
+            continue
+        bn = modules[n.target]
+        if len(src.users) != 1 or calls[src.target] != 1 or calls[n.target] != 1 or not bn.track_running_stats \
+                or bn.running_var is None:
+            out.append({"module": n.target, "type": "BatchNorm2d", "converted": "no",
+                        "why": f"not folded into {src.target}: the conv's output has other readers, or a module is called twice"})
+            continue
+        conv.__dict__["_ops_adv_bn"] = bn  # plain attributes: state_dict keys stay the same
+        bn.__dict__["_ops_adv_conv"] = conv
+        _swap(bn, _bn_forward)
+        out.append({"module": n.target, "type": "BatchNorm2d", "converted": "yes",
+                    "why": f"folded into {src.target} in eval mode (train mode runs both as before)"})
+    return out
+
+
+def explain_model(model: nn.Module) -> list[dict[str, str]]:
+    """What convert_model converted in `model`, what it did not, and why."""
+    report = getattr(model, "_ops_adv_report", None)
+    if report is None:
+        return [{"module": "", "type": type(model).__name__, "converted": "no", "why": "convert_model was not applied"}]
+    return list(report)
+
+
+def _tune_method(model: nn.Module, *args: Any, **kwargs: Any) -> dict:
+    from ._record import tune_for_hardware
+
+    return tune_for_hardware(model, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- transformers attention
+
+
+def _hf_attention(model: nn.Module) -> list[dict[str, str]]:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return []
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return [{"module": "", "type": "attention", "converted": "no", "why": "transformers is not importable"}]
+    AttentionInterface.register("ops_adv", hf_attention_forward)
+    try:  # the masks transformers builds for SDPA (None where is_causal says it all)
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register("ops_adv", sdpa_mask)
+    except ImportError:
+        pass
+    before = config._attn_implementation
+    try:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("ops_adv")
+        else:
+            config._attn_implementation = "ops_adv"
+    except Exception as e:  # a model that refuses custom attention keeps its own
+        return [{"module": "", "type": "attention", "converted": "no", "why": f"{type(e).__name__}: {e}"}]
+    for sub in model.modules():  # sub-configs (vision towers, ...) follow
+        c = getattr(sub, "config", None)
+        if c is not None and getattr(c, "_attn_implementation", None) == before:
+            c._attn_implementation = "ops_adv"
+    return [{"module": "", "type": "attention", "converted": "yes",
+             "why": f"transformers attention '{before}' -> 'ops_adv' (SDPA semantics; masks, dropout, GQA run SDPA)"}]
+
+
+def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention contract: (B, H, S, D) in, (B, S, H, D) out, as its SDPA integration does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    Hq, Hkv = query.shape[1], key.shape[1]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal and attention_mask is None and query.shape[2] > 1)
+    if attention_mask is not None or dropout or Hq != Hkv or (scaling is not None and scaling != query.shape[-1] ** -0.5) \
+            or query.shape[2] != key.shape[2] and causal:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = _ops.attention(query, key, value, is_causal=causal)
+    return out.transpose(1, 2).contiguous(), None

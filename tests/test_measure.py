@@ -1,0 +1,216 @@
+"""The measuring the tuner's workers and the kernel benchmark share: gate, classification, timing options."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kernel_space
+from conftest import ROOT, run_cli
+from kernel_space import get_op
+from workers.measure import Bench, check_output, classify
+
+PROBLEM = get_op("gemm").problem(48, 40, 32)
+_registered: list[str] = []
+
+
+def register(name: str, **kw):
+    """Register a test gemm implementation for the CPU; removed after each test."""
+    _registered.append(name)
+    return kernel_space.register_impl("gemm", name=name, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _unregister():
+    yield
+    while _registered:
+        kernel_space.unregister_impl("gemm", _registered.pop())
+
+
+def trial(impl: str, params: dict | None = None) -> dict:
+    return {"op": "gemm", "problem": PROBLEM._asdict(), "impl": impl, "params": params or {}}
+
+
+# ---- correctness gate: output left unwritten ----------------------------------------------
+
+
+def test_part_of_out_left_unwritten_is_a_wrong_result():
+    @register("half_out")
+    def half_out(a, b, *, out=None):
+        if out is None:  # right when it allocates, as when reused memory still holds an earlier result
+            return torch.matmul(a, b)
+        m = a.shape[0] // 2
+        torch.matmul(a[:m], b, out=out[:m])
+        return out
+
+    res = Bench("cpu").run(trial("half_out"))
+    assert res["status"] == "wrong_result" and res["poisoned_out"] is True
+    assert res["rel_error"] == float("inf") and "relative error inf" in res["error"]
+    assert "median_ms" not in res  # a wrong candidate is never timed
+
+
+def test_fully_written_out_passes_and_is_timed():
+    @register("full_out")
+    def full_out(a, b, *, out=None):
+        return torch.matmul(a, b, out=out)
+
+    res = Bench("cpu").run(trial("full_out"))
+    assert res["status"] == "ok" and res["poisoned_out"] is True and res["rel_error"] < 1e-5
+    assert res["median_ms"] > 0 and res["reps"] >= 1 and res["first_call_s"] >= 0
+
+
+def test_refused_out_is_noted_and_the_plain_call_checked():
+    @register("no_out")
+    def no_out(a, b, *, out=None):
+        if out is not None:
+            raise ValueError("out must be column-major")
+        return torch.matmul(a, b)
+
+    res = Bench("cpu").run(trial("no_out"))
+    assert res["status"] == "ok" and res["poisoned_out"] is False
+    assert "out= rejected" in res["note"] and "column-major" in res["note"]
+
+
+def test_wrong_returned_tensor_fails_even_when_out_is_right():
+    @register("bad_return")
+    def bad_return(a, b, *, out=None):
+        if out is not None:
+            torch.matmul(a, b, out=out)
+        return torch.matmul(a, b) * 2
+
+    res = Bench("cpu").run(trial("bad_return"))
+    assert res["status"] == "wrong_result" and 0.9 < res["rel_error"] < 1.1
+
+
+def test_check_output_takes_the_worst_of_out_and_the_plain_call():
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    ref = a.double() @ b.double()
+
+    def rows_skipped(a, b, out=None):
+        if out is None:
+            return a @ b
+        out[:-1] = a[:-1] @ b  # the last row is never written
+        return out
+
+    plain = check_output(rows_skipped, (a, b), {}, ref, device="cpu")
+    poisoned = check_output(rows_skipped, (a, b), {}, ref, device="cpu", out=True)
+    assert plain["rel_error"] < 1e-5 and plain["poisoned_out"] is False
+    assert poisoned["rel_error"] == float("inf") and poisoned["poisoned_out"] is True
+
+
+def test_check_on_fresh_inputs_catches_a_stale_result():
+    stale: dict = {}
+
+    @register("stale")
+    def stale_result(a, b):
+        return stale.setdefault(tuple(a.shape), torch.matmul(a, b))  # the first inputs' result, always
+
+    bench = Bench("cpu")
+    assert bench.run(trial("stale"))["status"] == "ok"
+    assert bench.check(trial("stale"))["status"] == "ok"
+    fresh = bench.check(trial("stale"), seed=1)
+    assert fresh["status"] == "wrong_result" and fresh["rel_error"] > 0.5
+
+
+def test_check_reports_failures_as_statuses():
+    @register("raises", space={"n": (1, 2)}, check=lambda p, params: "n=2 is refused" if params["n"] == 2 else None)
+    def raises(a, b, *, n=1):
+        raise RuntimeError("boom")
+
+    bench = Bench("cpu")
+    failed = bench.check(trial("raises", {"n": 1}))
+    assert failed["status"] == "runtime_error" and "boom" in failed["error"]
+    assert bench.check(trial("raises", {"n": 2})) == {"status": "pruned", "error": "n=2 is refused", "context_lost": False}
+    res = bench.check(trial("torch_matmul"), seed=7)
+    assert res["status"] == "ok" and res["rel_error"] < 1e-5
+
+
+# ---- classification ---------------------------------------------------------------------
+
+
+def test_out_of_memory_is_out_of_resources():
+    assert classify(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == ("out_of_resources", False)
+    assert classify(RuntimeError("CUDA error: out of memory")) == ("out_of_resources", False)
+
+
+def test_compile_errors_by_name_and_text():
+    assert classify(type("CompileTimeAssertionFailure", (Exception,), {})("x")) == ("compile_error", False)
+    assert classify(RuntimeError("ptxas fatal: Unresolved extern function")) == ("compile_error", False)
+    assert classify(RuntimeError("wrapped: CompilationError at 3:4")) == ("compile_error", False)
+
+
+def test_triton_exception_on_the_first_call_is_a_compile_error():
+    errors = pytest.importorskip("triton.runtime.errors")
+    exc = errors.InterpreterError("unsupported operand")
+    assert classify(exc, first_call=True) == ("compile_error", False)
+    assert classify(exc) == ("runtime_error", False)
+
+
+def test_first_call_reaches_classification_through_bench():
+    errors = pytest.importorskip("triton.runtime.errors")
+    calls = {"n": 0}
+
+    @register("triton_first")
+    def triton_first(a, b):
+        raise errors.InterpreterError("cannot lower tl.dot here")
+
+    @register("triton_later")
+    def triton_later(a, b):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise errors.InterpreterError("fails once warm")
+        return torch.matmul(a, b)
+
+    bench = Bench("cpu")
+    first = bench.run(trial("triton_first"))
+    later = bench.run(trial("triton_later"))
+    assert first["status"] == "compile_error" and "cannot lower" in first["error"]
+    assert later["status"] == "runtime_error" and "fails once warm" in later["error"]
+    assert not first["context_lost"] and not later["context_lost"]
+
+
+def test_context_is_never_lost_off_cuda():
+    assert classify(ValueError("x"), "cpu") == ("runtime_error", False)
+    assert classify(RuntimeError("CUDA error: an illegal memory access was encountered"), "cpu") == ("runtime_error", True)
+
+
+# ---- timing options ---------------------------------------------------------------------
+
+
+def test_warmup_and_reps_reach_the_timer():
+    calls = {"n": 0}
+
+    @register("counted")
+    def counted(a, b):
+        calls["n"] += 1
+        return torch.matmul(a, b)
+
+    res = Bench("cpu").run(trial("counted"), reps=3, warmup=1, budget_s=60)
+    assert res["status"] == "ok" and res["reps"] == 3
+    assert calls["n"] == 1 + 1 + 3  # the gate's call, one warm-up, three timed
+
+
+def test_confirm_takes_rounds_and_reps():
+    bench = Bench("cpu")
+    res = bench.confirm("gemm", PROBLEM._asdict(), [{"key": "v", "impl": "torch_matmul"}], rounds=2, reps=3, warmup=0, budget_s=60)
+    assert res["v"]["reps"] == 6 and res["v"]["median_ms"] > 0
+
+
+# ---- the kernel benchmark measures through the same Bench ---------------------------------
+
+
+def test_kernel_benchmark_smoke(tmp_path):
+    out = run_cli(str(ROOT / "benchmarks" / "kernels.py"), "--device", "cpu", "--quick", "--ops", "gemm",
+                  "--out", str(tmp_path), timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (jp,) = tmp_path.glob("*-kernels.json")
+    (mp,) = tmp_path.glob("*-kernels.md")
+    report = json.loads(jp.read_text())
+    (row,) = report["problems"]
+    assert row["op"] == "gemm" and row["vendor"]["impl"] == "torch_matmul"
+    ok = [c for c in row["candidates"] if c["status"] == "ok"]
+    assert ok and all(c["ms"] > 0 and c["reps"] >= 1 and "first_call_s" in c for c in ok)
+    checked = [c for c in ok if "check" in c]
+    assert checked and all(c["check"]["ok"] and c["check"]["rel_err"] < c["check"]["tol"] for c in checked)
+    assert "| op | problem |" in mp.read_text()
