@@ -29,7 +29,18 @@ from ._registry import (
     unregister_impl,
 )
 from ._common import relative_error
-from . import gemm, attention, layer_norm, rms_norm, softmax, conv2d  # noqa: F401  (register the ops)
+
+def _register_ops() -> None:
+    """Import every op package (a subpackage not named with a leading underscore): each registers itself."""
+    import importlib
+    import pkgutil
+
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.ispkg and not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_register_ops()
 
 __all__ = [
     "Impl",
