@@ -235,20 +235,48 @@ def _tune_method(model: nn.Module, *args: Any, **kwargs: Any) -> dict:
 
 # --------------------------------------------------------------------------- transformers attention
 
+# Masks made by ops_adv's mask function in the current forward: (q_length, kv_length) -> True when the
+# mask is causal over cache slots [0, seq_len) with no padding (then seq_lens can be read off the mask
+# on the device and decode_attention computes the same thing). Cleared by a forward pre-hook, so a 4-D
+# mask a caller passes in (transformers skips the mask function then) is never taken for one of ours.
+_PREFIX_MASKS: dict[tuple[int, int], bool] = {}
+# When a list, hf_attention_forward appends the route of each call (benchmarks and tests read it; eager only).
+ROUTE_LOG: list[str] | None = None
+DECODE_MAX_QUERY = 16
+
+
+def _ops_adv_mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' SDPA mask, noting whether it is a plain causal mask over cache slots."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        pure = (not args and kwargs.get("attention_mask") is None and not kwargs.get("use_vmap")
+                and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+                and kwargs.get("local_size") is None and not isinstance(kwargs.get("kv_offset", 0), torch.Tensor)
+                and kwargs.get("kv_offset", 0) == 0 and mask.dtype == torch.bool)
+        key = (mask.shape[-2], mask.shape[-1])
+        _PREFIX_MASKS[key] = pure and _PREFIX_MASKS.get(key, True)  # a shape seen both ways stays False
+    return mask
+
+
+def _clear_masks(module: nn.Module, args: Any) -> None:
+    _PREFIX_MASKS.clear()
+
 
 def _hf_attention(model: nn.Module) -> list[dict[str, str]]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return []
     try:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface, PreTrainedModel
     except ImportError:
         return [{"module": "", "type": "attention", "converted": "no", "why": "transformers is not importable"}]
     AttentionInterface.register("ops_adv", hf_attention_forward)
     try:  # the masks transformers builds for SDPA (None where is_causal says it all)
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-        ALL_MASK_ATTENTION_FUNCTIONS.register("ops_adv", sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("ops_adv", _ops_adv_mask)
     except ImportError:
         pass
     before = config._attn_implementation
@@ -263,22 +291,71 @@ def _hf_attention(model: nn.Module) -> list[dict[str, str]]:
         c = getattr(sub, "config", None)
         if c is not None and getattr(c, "_attn_implementation", None) == before:
             c._attn_implementation = "ops_adv"
+        if isinstance(sub, PreTrainedModel) and not getattr(sub, "_ops_adv_mask_hook", False):  # models make masks
+            sub.register_forward_pre_hook(_clear_masks)
+            sub._ops_adv_mask_hook = True
     return [{"module": "", "type": "attention", "converted": "yes",
-             "why": f"transformers attention '{before}' -> 'ops_adv' (SDPA semantics; masks, dropout, GQA run SDPA)"}]
+             "why": f"transformers attention '{before}' -> 'ops_adv' (decode steps with a static cache or grouped "
+                    "K/V heads run decode_attention; masks, dropout, GQA prefill run SDPA)"}]
+
+
+def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any]:
+    """(usable, seq_lens) for a decode call, read on the device (no host sync).
+
+    Without a mask every key slot is valid (seq_lens None). With one of ops_adv's plain causal masks
+    the last query row allows slots [0, seq_len): its count is seq_len. Any other mask (padding, a
+    caller's 4-D mask, sliding windows) cannot be told apart from a prefix without a sync: SDPA then.
+    """
+    B, Sq, Skv = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None:
+        return Sq == Skv or Sq == 1, None  # SDPA's is_causal is top-left aligned: only equal lengths agree
+    if attention_mask.dim() != 4 or tuple(attention_mask.shape[-2:]) != (Sq, Skv) \
+            or not _PREFIX_MASKS.get((Sq, Skv), False) or attention_mask.shape[0] not in (1, B):
+        return False, None
+    seq = attention_mask[:, 0, -1, :].sum(-1, dtype=torch.int32)
+    return True, seq.expand(B).contiguous() if seq.shape[0] != B else seq
 
 
 def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention contract: (B, H, S, D) in, (B, S, H, D) out, as its SDPA integration does."""
+    """transformers' attention contract: (B, H, S, D) in, (B, S, H, D) out, as its SDPA integration does.
+
+    A decode call (query length <= DECODE_MAX_QUERY, no dropout, no extra terms such as attention
+    sinks or soft-capping) whose cache holds more slots than its valid length, or whose K/V heads are
+    grouped, runs ops_adv's decode_attention (GQA without copying K/V, seq_lens from the mask).
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     Hq, Hkv = query.shape[1], key.shape[1]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal and attention_mask is None and query.shape[2] > 1)
+    Sq, Skv = query.shape[2], key.shape[2]
+    causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+
+    def log(route: str) -> None:
+        if ROUTE_LOG is not None:
+            ROUTE_LOG.append(route)
+
+    plain = not dropout and kwargs.get("s_aux") is None and not kwargs.get("softcap") \
+        and query.dim() == 4 and key.shape[0] == query.shape[0]
+    if plain and Sq <= DECODE_MAX_QUERY and (attention_mask is not None or Hq != Hkv) and Hq % Hkv == 0:
+        ok, seq_lens = _decode_seq_lens(query, key, attention_mask)
+        if ok:
+            try:
+                from ._decode import decode_attention
+            except ImportError:
+                log("sdpa (decode_attention not installed)")
+            else:
+                log("decode_attention")
+                default = scaling is None or scaling == query.shape[-1] ** -0.5  # None takes the kernels' path
+                out = decode_attention(query, key, value, seq_lens, causal=bool(causal_flag and Sq > 1),
+                                       scale=None if default else scaling)
+                return out.transpose(1, 2).contiguous(), None
+    causal = bool(causal_flag and attention_mask is None and Sq > 1)
     if attention_mask is not None or dropout or Hq != Hkv or (scaling is not None and scaling != query.shape[-1] ** -0.5) \
-            or query.shape[2] != key.shape[2] and causal:
+            or Sq != Skv and causal:
+        log("sdpa")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    log("ops_adv.attention")
     out = _ops.attention(query, key, value, is_causal=causal)
     return out.transpose(1, 2).contiguous(), None
