@@ -1,4 +1,5 @@
-"""gemm on CUDA through Triton: a tiled tensor-core kernel, grouped tile order, optional split-K.
+"""gemm on CUDA through Triton: a tiled tensor-core kernel (grouped tile order, optional split-K),
+and a split-K kernel for decode (M <= 64) that reduces in the same launch.
 
 The space, the validity check and the launch wrapper; the kernels (`_kernels`) load on the
 first call, so this module imports without triton.
@@ -91,6 +92,81 @@ def triton_gemm(
     num_stages: int = 3,
     SPLIT_K: int = 1,
     out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
 ) -> torch.Tensor:
-    """C = A @ B for fp16/bf16/fp32 (tf32 products) with any strides; `out` receives C if given."""
-    return _kernels.gemm(a, b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, out=out)
+    """C = A @ B (+ bias, then activation, in fp32) for fp16/bf16/fp32 (tf32 products) with any
+    strides; `out` receives C if given."""
+    return _kernels.gemm(a, b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, out=out,
+                         bias=bias, activation=activation)
+
+
+DECODE_SPACE: dict[str, tuple] = {
+    # Decode reads all of B once: what matters is bytes in flight per SM (BLOCK_N x BLOCK_K x
+    # num_stages) and enough CTAs (N tiles x SPLIT_K) to cover 132 SMs several times.
+    "BLOCK_N": (64, 16, 32, 128),
+    "BLOCK_K": (128, 64, 256, 512),
+    "SPLIT_K": (4, 1, 2, 8, 16),
+    "num_warps": (4, 2, 8),
+    "num_stages": (4, 2, 3, 5, 6),
+}
+DECODE_MAX_M = 64
+# N tiles from which SPLIT_K > 1 only adds partial-sum traffic: 8 waves of an H200's 132 SMs.
+DECODE_SPLIT_TILES = 8 * 132
+
+
+def decode_block_m(M: int) -> int:
+    """The decode kernel's row tile: all of M, padded to the 16 rows of an MMA."""
+    return pow2_at_least(M)
+
+
+def check_decode(p: GemmProblem, c: Mapping[str, Any]) -> str | None:
+    """Why decode configuration `c` is not worth compiling for `p`, or None."""
+    if p.dtype not in ITEMSIZE:
+        return f"dtype {p.dtype} is not supported"
+    if p.M > DECODE_MAX_M:
+        return f"the split-K decode kernel is for M <= {DECODE_MAX_M}, not M={p.M}"
+    bn, bk, split, warps = c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"]
+    if bn > pow2_at_least(p.N):
+        return f"BLOCK_N {bn} is larger than N={p.N} needs"
+    if bk > pow2_at_least(p.K):
+        return f"BLOCK_K {bk} is larger than K={p.K} needs"
+    k_tiles = _cdiv(p.K, bk)
+    if split > k_tiles:
+        return f"SPLIT_K {split} leaves some splits without a K tile (K={p.K} is {k_tiles} tiles of {bk})"
+    tiles = _cdiv(p.N, bn)
+    if split > 1 and tiles >= DECODE_SPLIT_TILES:
+        return f"{tiles} N tiles fill the GPU without SPLIT_K {split}, which would only add partial sums"
+    bm = decode_block_m(p.M)
+    threads = 32 * warps
+    if bm * bn < 4 * threads:
+        return f"a {bm}x{bn} tile leaves some of {warps} warps without a 16x8 MMA tile"
+    buffers = smem_buffers(c["num_stages"], warpgroup_mma(bm, warps))
+    smem = buffers * (bm * bk + bk * bn) * ITEMSIZE[p.dtype]
+    if smem > SMEM_BUDGET:
+        return f"{c['num_stages']} stages of {bm}x{bk} and {bk}x{bn} tiles need {smem // 1024} KiB of shared memory (budget {SMEM_BUDGET // 1024} KiB)"
+    if not warpgroup_mma(bm, warps):
+        regs = (bm * bn + (bm * bk + bk * bn) * ITEMSIZE[p.dtype] // 4) // threads
+        if regs > MAX_MMA_SYNC_REGS:
+            return f"mma.sync holds the accumulator and {bm}x{bk}, {bk}x{bn} operand tiles in about {regs} registers per thread with {warps} warps (at most {MAX_MMA_SYNC_REGS})"
+    return None
+
+
+@register_triton("gemm", "triton_splitk_decode", space=DECODE_SPACE, check=check_decode, priority=40)
+def triton_splitk_decode(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    BLOCK_N: int = 64,
+    BLOCK_K: int = 128,
+    SPLIT_K: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> torch.Tensor:
+    """C = A @ B for M <= 64 (decode; B is usually a Linear weight's W.T) in one launch: split-K
+    partials reduced by the last program of each N tile, then bias and activation in fp32."""
+    return _kernels.splitk_decode(a, b, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, out=out,
+                                  bias=bias, activation=activation)

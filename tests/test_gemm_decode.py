@@ -1,0 +1,145 @@
+"""gemm's split-K decode kernel and the fused epilogue of both gemm kernels, against the references.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (set by conftest) on tiny problems;
+bf16 only on CUDA (the interpreter multiplies bf16 dot operands as raw bits).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_space import get_impl, get_op, relative_error
+from kernel_space.gemm import GemmProblem
+from kernel_space.linear import ACTIVATIONS, activate
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [
+    "fp16",
+    "fp32",
+    pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter multiplies bf16 dot operands as raw bits")),
+]
+DECODE = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 2, "num_stages": 2}
+
+
+@pytest.fixture
+def poisoned_workspace(monkeypatch):
+    """Split-K partials start as NaN: a partial the reduction reads but nobody wrote shows."""
+    from kernel_space.gemm import _kernels as kmod
+
+    monkeypatch.setattr(kmod, "_new_workspace", lambda s, device: torch.full(s, float("nan"), dtype=torch.float32, device=device))
+    return kmod
+
+
+def _decode(problem: GemmProblem, params: dict, calls: int = 1) -> None:
+    impl = get_impl("gemm", "triton_splitk_decode")
+    config = {**impl.default_params(), **params}
+    assert impl.check(problem, config) is None, impl.check(problem, config)
+    spec = get_op("gemm")
+    (a, b), _ = spec.make_inputs(problem, DEVICE, seed=0)
+    ref = spec.reference(a, b)
+    for _ in range(calls):  # a counter left non-zero by the first call would skip the second's reduction
+        out = torch.full(ref.shape, float("nan"), dtype=a.dtype, device=DEVICE)
+        assert impl.fn(a, b, **config, out=out) is out
+        err = relative_error(out, ref)
+        assert err <= spec.tolerance(problem.dtype), f"{problem} {config}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "M, N, K, params",
+    [
+        (1, 33, 100, {"SPLIT_K": 4}),  # K: 3 whole tiles + a partial one, N odd (a wrapped edge tile)
+        (5, 64, 96, {}),  # one split
+        (16, 47, 70, {"SPLIT_K": 3, "BLOCK_K": 16}),  # the partial K tile lands on the last split
+        (64, 40, 256, {"SPLIT_K": 8, "BLOCK_N": 32, "num_warps": 4}),  # many splits, M = 64
+        (3, 24, 40, {"SPLIT_K": 2, "BLOCK_K": 16}),  # strides and N multiples of 8, not 16: the hinted path
+    ],
+)
+def test_decode_matches_reference(dtype, M, N, K, params, poisoned_workspace):
+    _decode(GemmProblem(M, N, K, dtype, False, True), {**DECODE, **params}, calls=2)
+
+
+def test_decode_not_transposed_and_counters_reset(poisoned_workspace):
+    _decode(GemmProblem(4, 50, 64, "fp32", False, False), {**DECODE, "SPLIT_K": 2}, calls=3)
+    for cnt in poisoned_workspace._counters.values():
+        assert int(cnt.abs().sum()) == 0  # the last program of each tile reset its counter
+
+
+def test_decode_allocates_output():
+    impl = get_impl("gemm", "triton_splitk_decode")
+    a = torch.randn(2, 64, device=DEVICE)
+    b = torch.randn(48, 64, device=DEVICE).t()
+    out = impl.fn(a, b, **{**impl.default_params(), **DECODE, "SPLIT_K": 2})
+    assert out.shape == (2, 48) and out.dtype == a.dtype
+    assert relative_error(out, a.double() @ b.double()) < 2e-3
+
+
+@pytest.mark.parametrize(
+    "problem, params, reason",
+    [
+        (GemmProblem(65, 4096, 4096, "bf16", False, True), {}, "M <= 64"),
+        (GemmProblem(1, 4096, 256, "bf16", False, True), {"BLOCK_K": 128, "SPLIT_K": 4}, "without a K tile"),
+        (GemmProblem(1, 128256, 4096, "bf16", False, True), {"BLOCK_N": 64, "SPLIT_K": 2}, "fill the GPU"),
+        (GemmProblem(1, 8, 4096, "bf16", False, True), {"BLOCK_N": 64}, "BLOCK_N 64 is larger"),
+        (GemmProblem(64, 4096, 4096, "fp32", False, True), {"BLOCK_N": 128, "BLOCK_K": 512, "num_stages": 6}, "shared memory"),
+    ],
+)
+def test_decode_check_refuses_with_a_reason(problem, params, reason):
+    impl = get_impl("gemm", "triton_splitk_decode")
+    why = impl.check(problem, {**impl.default_params(), **params})
+    assert why is not None and reason in why
+
+
+def test_decode_default_config_fits_llama_decode_weights():
+    impl = get_impl("gemm", "triton_splitk_decode")
+    for N, K in ((4096, 4096), (6144, 4096), (1024, 4096), (14336, 4096), (4096, 14336)):
+        for M in (1, 16, 64):
+            assert impl.check(GemmProblem(M, N, K, "bf16", False, True), impl.default_params()) is None
+
+
+def test_stride_scale_proves_only_true_alignment():
+    from kernel_space.gemm import _kernels as kmod
+
+    assert kmod._stride_scale(1000, 8) == 8  # 3000x5000x1000 bf16: rows of A are 16-byte aligned
+    assert kmod._stride_scale(5000, 8) == 8
+    assert kmod._stride_scale(4096, 8) == 1  # Triton specialises multiples of 16 itself
+    assert kmod._stride_scale(1, 8) == 1 and kmod._stride_scale(1002, 8) == 1
+    assert kmod._row_vec(5000, 8) == 8 and kmod._row_vec(5001, 8) == 1 and kmod._row_vec(4096, 8) == 1
+
+
+def _epilogue_case(dtype: str, M: int, N: int, K: int, has_bias: bool, activation: str):
+    g = torch.Generator().manual_seed(1)
+    dt = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    x = torch.randn(M, K, generator=g).to(DEVICE, dt)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(DEVICE, dt)
+    b = (torch.randn(N, generator=g) * 0.5).to(DEVICE, dt) if has_bias else None
+    ref = activate(F.linear(x.double(), w.double(), None if b is None else b.double()), activation)
+    return x, w, b, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_epilogue_in_both_kernels(dtype, activation, has_bias, poisoned_workspace):
+    x, w, b, ref = _epilogue_case(dtype, 7, 37, 50, has_bias, activation)
+    tol = get_op("gemm").tolerance(dtype)
+    tiled = get_impl("gemm", "triton").fn
+    decode = get_impl("gemm", "triton_splitk_decode").fn
+    small = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    outs = {
+        "tiled": tiled(x, w.t(), **small, bias=b, activation=activation),
+        "tiled split-K": tiled(x, w.t(), **{**small, "SPLIT_K": 2}, bias=b, activation=activation),
+        "decode": decode(x, w.t(), **{**DECODE, "SPLIT_K": 1}, bias=b, activation=activation),
+        "decode split-K": decode(x, w.t(), **{**DECODE, "SPLIT_K": 2}, bias=b, activation=activation),
+    }
+    for name, out in outs.items():
+        assert relative_error(out, ref) <= tol, f"{name} {activation} bias={has_bias}: {relative_error(out, ref):.3g}"
+
+
+def test_unknown_activation_is_refused():
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="activation 'tanh' is not one of"):
+        get_impl("gemm", "triton_splitk_decode").fn(x, torch.randn(32, 16, device=DEVICE), activation="tanh")
