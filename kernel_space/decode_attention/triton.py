@@ -1,0 +1,106 @@
+"""decode attention on CUDA through Triton: flash-decoding (K/V split across programs, fp32 online
+softmax, log-sum-exp combine), grouped query heads sharing each K/V load.
+
+The space, the validity check and the launch wrapper; the kernels (`_kernels`) load on the
+first call, so this module imports without triton.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .._common import ITEMSIZE, pow2_at_least
+from .._hopper import MAX_MMA_SYNC_REGS, SMEM_BUDGET, smem_buffers, warpgroup_mma
+from .._registry import LazyModule, register_triton
+from .problem import DecodeAttentionProblem
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_HEAD_DIM = 256
+MAX_ROWS = 128  # query rows of one program (heads x Sq): past this the score tile no longer fits registers
+# fp32 registers per thread for the output and score tiles under warpgroup MMA (as attention's check).
+MAX_TILE_REGS = 160
+
+SPACE: dict[str, tuple] = {
+    "BLOCK_N": (64, 32, 128, 256, 16),
+    # Programs along the keys of one sequence: fills the GPU when B x Hkv is small.
+    "num_splits": (1, 2, 4, 8, 16, 32, 64),
+    # Query heads per program, all sharing one K/V head (0: the whole group); must divide Hq / Hkv.
+    "HEADS_PER_PROGRAM": (0, 1, 2, 4, 8),
+    "num_warps": (4, 2, 8, 1),
+    "num_stages": (2, 3, 4, 1),
+}
+
+
+def heads_per_program(p: DecodeAttentionProblem, c: Mapping[str, Any]) -> int:
+    return c["HEADS_PER_PROGRAM"] or p.Hq // p.Hkv
+
+
+def smem_bytes(p: DecodeAttentionProblem, c: Mapping[str, Any]) -> int:
+    """Shared memory for the Q tile and the pipelined K and V tiles (D padded to a power of two)."""
+    bm = pow2_at_least(heads_per_program(p, c) * p.Sq)
+    buffers = smem_buffers(c["num_stages"], warpgroup_mma(bm, c["num_warps"]))
+    return (bm + 2 * buffers * c["BLOCK_N"]) * pow2_at_least(p.D) * ITEMSIZE[p.dtype]
+
+
+def check(p: DecodeAttentionProblem, c: Mapping[str, Any]) -> str | None:
+    """Why configuration `c` is not worth compiling for `p`, or None."""
+    if p.dtype not in ITEMSIZE:
+        return f"dtype {p.dtype} is not supported"
+    if p.D > MAX_HEAD_DIM:
+        return f"head dim {p.D} is over {MAX_HEAD_DIM}"
+    if p.Hkv <= 0 or p.Hq % p.Hkv:
+        return f"Hq={p.Hq} is not a multiple of Hkv={p.Hkv}"
+    group = p.Hq // p.Hkv
+    heads = heads_per_program(p, c)
+    if group % heads:
+        return f"HEADS_PER_PROGRAM {heads} does not divide the {group} query heads per K/V head"
+    if c["HEADS_PER_PROGRAM"] == group and group > 1:
+        return f"HEADS_PER_PROGRAM {heads} is the whole group: the same as 0"
+    rows = heads * p.Sq
+    if rows > MAX_ROWS:
+        return f"{heads} heads x Sq={p.Sq} make {rows} query rows per program (at most {MAX_ROWS}); use fewer heads per program"
+    bn, warps, splits = c["BLOCK_N"], c["num_warps"], c["num_splits"]
+    if bn > pow2_at_least(p.Skv):
+        return f"BLOCK_N {bn} is larger than Skv={p.Skv} needs"
+    blocks = -(-p.Skv // bn)
+    if splits > blocks:
+        return f"num_splits {splits} is more than the {blocks} key blocks of BLOCK_N {bn} in Skv={p.Skv}"
+    smem = smem_bytes(p, c)
+    if smem > SMEM_BUDGET:
+        return f"Q, and {c['num_stages']} stages of K and V tiles, need {smem // 1024} KiB of shared memory (budget {SMEM_BUDGET // 1024} KiB)"
+    bm, d = pow2_at_least(rows), pow2_at_least(p.D)
+    words = bm * (d + bn)
+    limit = MAX_TILE_REGS
+    if not warpgroup_mma(bm, warps):
+        words += (bm * d + 2 * d * bn + bm * bn) * ITEMSIZE[p.dtype] // 4
+        limit = MAX_MMA_SYNC_REGS
+    regs = words // (32 * warps)
+    if regs > limit:
+        return f"{bm} rows, BLOCK_N {bn} and D {p.D} need about {regs} registers per thread with {warps} warps (at most {limit})"
+    if bm * bn < 32 * warps * 4:
+        return f"a {bm}x{bn} score tile leaves {warps} warps under 4 elements a thread; use fewer warps"
+    return None
+
+
+_kernels = LazyModule(__package__ + "._kernels")
+
+
+@register_triton("decode_attention", "triton_decode", space=SPACE, check=check)
+def triton_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,
+    causal: bool = False,
+    *,
+    BLOCK_N: int = 64,
+    num_splits: int = 1,
+    HEADS_PER_PROGRAM: int = 0,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention for q (B, Hq, Sq, D) against k, v (B, Hkv, Skv, D) of any strides; a new output."""
+    return _kernels.decode_attention(q, k, v, seq_lens, causal, BLOCK_N, num_splits, HEADS_PER_PROGRAM,
+                                     num_warps, num_stages, scale=scale)

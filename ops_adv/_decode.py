@@ -1,0 +1,123 @@
+"""decode_attention: a few new query rows per sequence against a ragged, grouped-head K/V cache.
+
+`decode_attention(q, k, v, seq_lens=None, *, causal=False, scale=None)`: q (B, Hq, Sq, D), k and v
+(B, Hkv, Skv, D), Hq a multiple of Hkv (K/V heads are shared, never copied); `seq_lens` (B,)
+limits sequence b to keys [0, seq_lens[b]) (a zero length gives zeros); `causal` aligns
+bottom-right against each sequence's length. As the other ops (`_ops`): eager calls are a
+signature and a dict lookup; under torch.compile, tracing or autograd the `ops_adv::decode_attention`
+custom operator runs; calls no kernel covers (a custom scale, other ranks or dtypes) run SDPA with
+the same semantics. Nothing reads `seq_lens` on the host, so calls capture in CUDA graphs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernel_space._common import DTYPE_CODE
+from kernel_space.decode_attention.problem import visible
+from kernel_space.decode_attention.vendor import sdpa_decode
+
+from ._dispatch import cache_for, lookup
+from ._ops import _fresh, _traced
+
+_decode_cache = cache_for("decode_attention")
+_LENS_DTYPES = (torch.int32, torch.int64)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None, *,
+                     causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v per sequence over its first seq_lens[b] keys, grouped K/V heads, bottom-right causal."""
+    dt = q.dtype
+    if scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt and q.dim() == 4 and k.dim() == 4:
+        qs, ks = q.shape, k.shape
+        if ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and ks[1] and qs[1] % ks[1] == 0 and (
+                seq_lens is None or (seq_lens.dim() == 1 and seq_lens.shape[0] == qs[0]
+                                     and seq_lens.dtype in _LENS_DTYPES and seq_lens.device == q.device)):
+            if _traced(q, k, v):
+                return torch.ops.ops_adv.decode_attention(q, k, v, seq_lens, bool(causal))
+            return _decode(q, k, v, seq_lens, bool(causal))
+    return _fallback(q, k, v, seq_lens, bool(causal), scale)
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    if not (B and Hq and Sq and Skv and D):
+        return _fallback(q, k, v, seq_lens, causal, None)
+    key = ((B, Hq, Hkv, Sq, Skv, D, seq_lens is not None, causal, DTYPE_CODE[q.dtype]), q.device)
+    fn = _decode_cache.get(key)
+    if fn is None:
+        fn = lookup("decode_attention", *key)
+    return fn(q, k, v, seq_lens, causal)
+
+
+def _fallback(q, k, v, seq_lens, causal: bool, scale: float | None) -> torch.Tensor:
+    """SDPA with decode_attention's semantics, for any call the kernels do not cover."""
+    if q.dim() == 4:
+        return sdpa_decode(q, k, v, seq_lens, causal, scale)
+    if seq_lens is not None:
+        raise ValueError(f"decode_attention: seq_lens needs 4-D q, k, v (B, H, S, D), not q of shape {tuple(q.shape)}")
+    Sq, Skv = q.shape[-2], k.shape[-2]
+    ok = None
+    if causal and Sq > 1:
+        j = torch.arange(Skv, device=q.device)
+        ok = j[None, :] <= Skv - Sq + torch.arange(Sq, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, enable_gqa=True)
+    return out if ok is None else out.masked_fill(~ok.any(-1, keepdim=True), 0.0)
+
+
+def _decode_grads(q, k, v, seq_lens, causal: bool, g):
+    """Gradients by the math formula in fp32 (memory Hq x Sq x Skv per sequence); grouped heads sum into their K/V head."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    rows = Hq // Hkv * Sq
+    scale = D ** -0.5
+    qf = q.float().reshape(B, Hkv, rows, D)
+    kf, vf = k.float(), v.float()
+    gf = g.float().reshape(B, Hkv, rows, D)
+    s = qf @ kf.transpose(-1, -2) * scale
+    ok = visible(B, Sq, Skv, seq_lens, causal, q.device)
+    if ok is not None:
+        ok = ok.reshape(B, 1, 1, Sq, Skv).expand(B, 1, Hq // Hkv, Sq, Skv).reshape(B, 1, rows, Skv)
+        s = s.masked_fill(~ok, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    gv = p.transpose(-1, -2) @ gf
+    gp = gf @ vf.transpose(-1, -2)
+    gs = p * (gp - (gp * p).sum(-1, keepdim=True))
+    gq = (gs @ kf * scale).reshape(B, Hq, Sq, D)
+    gk = gs.transpose(-1, -2) @ qf * scale
+    return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
+
+
+_lib_ops: dict[str, Any] = {}
+
+
+def _define_decode() -> None:
+    """Register `ops_adv::decode_attention` with its fake kernel and autograd formula."""
+    from torch.library import custom_op
+
+    @custom_op("ops_adv::decode_attention", mutates_args=())
+    def decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+                  causal: bool) -> torch.Tensor:
+        return _fresh(_decode(q, k, v, seq_lens, causal), (q, k, v))
+
+    @decode_op.register_fake
+    def _(q, k, v, seq_lens, causal):
+        return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+    def setup(ctx, inputs, output):
+        q, k, v, seq_lens, causal = inputs
+        ctx.causal = causal
+        ctx.save_for_backward(q, k, v, seq_lens)
+
+    def backward(ctx, g):
+        q, k, v, seq_lens = ctx.saved_tensors
+        return (*_decode_grads(q, k, v, seq_lens, ctx.causal, g), None, None)
+
+    decode_op.register_autograd(backward, setup_context=setup)
+    _lib_ops["decode_attention"] = decode_op
+
+
+_define_decode()
