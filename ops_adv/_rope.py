@@ -1,0 +1,148 @@
+"""rope: rotary position embedding of q and k, as transformers' `apply_rotary_pos_emb` computes it.
+
+`rope(q, k, cos, sin, positions=None, *, interleaved=False, inplace=False, layout="bshd")` rotates
+q (B, S, Hq, D) or (T, Hq, D) and k (same, Hkv heads); `layout="bhsd"` takes transformers' (B, H, S, D).
+cos/sin are per-token tables, (S, D) or (B, S, D) with duplicated halves (rotate-half) or
+duplicated pairs (interleaved) as the model's rotary embedding returns them, or (S, D/2) /
+(B, S, D/2); with `positions` (B, S) or (S,) (or (T,)) they are a (max_pos, D/2 or D) cache read there.
+The kernels read one half of a full-width table: the halves must be equal, as every
+rotary embedding makes them.
+
+A call the kernels do not cover (other dtypes, cos/sin of another dtype, which promotes, tables
+needing grad, shapes that do not match) runs the torch composite, whose results are transformers'
+bit for bit. Covered calls: eager, one signature and dict lookup; traced or needing grad, the
+`ops_adv::rope` custom operator (its gradient is rope with -sin). In place under tracing or
+autograd runs the out-of-place operator and copies into q and k, which torch.compile functionalises.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernel_space._common import DTYPE_CODE
+from kernel_space.rope.vendor import composite, full_tables
+
+from ._dispatch import cache_for, lookup
+
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+_grad_enabled = torch.is_grad_enabled
+_rope_cache = cache_for("rope")
+_INT = (torch.int64, torch.int32)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+         *, interleaved: bool = False, inplace: bool = False, layout: str = "bshd") -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out): q and k rotated; with `inplace`, written into q and k, which are returned."""
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"rope: layout {layout!r} is not one of 'bshd' (B, S, H, D) and 'bhsd' (B, H, S, D)")
+    if not _covered(q, k, cos, sin, positions, layout):
+        return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
+    if _is_compiling() or _tracing_state() is not None or (_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        qo, ko = torch.ops.ops_adv.rope(q, k, cos, sin, positions, bool(interleaved), layout)
+        if inplace:
+            return q.copy_(qo), k.copy_(ko)
+        return qo, ko
+    return _rope(q, k, cos, sin, positions, bool(interleaved), layout, inplace)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb`: q, k (B, H, S, D) with unsqueeze_dim 1, (B, S, H, D) with 2."""
+    if q.dim() == 4 and cos.dim() == 3 and unsqueeze_dim in (1, 2, -2, -3):
+        return rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim in (1, -3) else "bshd")
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return composite(q, c, s, False), composite(k, c, s, False)
+
+
+def _covered(q, k, cos, sin, positions, layout: str) -> bool:
+    """Whether the kernels compute exactly this call (else the composite runs it)."""
+    dt = q.dtype
+    if dt not in DTYPE_CODE or k.dtype is not dt or cos.dtype is not dt or sin.dtype is not dt:
+        return False
+    nd = q.dim()
+    if nd not in (3, 4) or k.dim() != nd or (nd == 3 and layout != "bshd") or cos.requires_grad or sin.requires_grad:
+        return False
+    D = q.shape[-1]
+    if not D or D % 2 or k.shape[-1] != D or q.stride(-1) != 1 or k.stride(-1) != 1 or sin.shape != cos.shape:
+        return False
+    if q.device != k.device or cos.device != q.device or sin.device != q.device:
+        return False
+    if nd == 4:
+        B, S = (q.shape[0], q.shape[2]) if layout == "bhsd" else q.shape[:2]
+        ks = (k.shape[0], k.shape[2]) if layout == "bhsd" else k.shape[:2]
+        if ks != (B, S):
+            return False
+    else:
+        B, S = 1, q.shape[0]
+        if k.shape[0] != S:
+            return False
+    if cos.shape[-1] not in (D, D // 2):
+        return False
+    if positions is None:
+        lead = cos.shape[:-1]
+        return lead == (S,) or (len(lead) == 2 and lead[1] == S and lead[0] in (1, B))
+    if positions.dtype not in _INT or positions.device != q.device or cos.dim() != 2:
+        return False
+    return positions.shape in ((B, S), (S,)) if nd == 4 else positions.shape == (S,)
+
+
+def _bshd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x.transpose(1, 2) if layout == "bhsd" else x
+
+
+def _rope(q, k, cos, sin, positions, interleaved: bool, layout: str, inplace: bool):
+    """The eager path for a covered call: the tuned implementation, writing into fresh outputs or q and k."""
+    qo, ko = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+    q4, k4 = _bshd(q, layout), _bshd(k, layout)
+    D, Hq = q4.shape[-1], q4.shape[-2]
+    T = q4.numel() // (Hq * D) if Hq else 0
+    if not T or not (Hq or k4.shape[-2]):
+        return (q, k) if inplace else (qo, ko)
+    key = ((T, Hq, k4.shape[-2], D, interleaved, positions is not None, DTYPE_CODE[q.dtype]), q.device)
+    fn = _rope_cache.get(key)
+    if fn is None:
+        fn = lookup("rope", *key)
+    fn(q4, k4, cos, sin, positions, interleaved=interleaved, out=(_bshd(qo, layout), _bshd(ko, layout)))
+    return qo, ko
+
+
+def _composite(q, k, cos, sin, positions, interleaved: bool, inplace: bool, layout: str):
+    """transformers' formula in torch ops (its exact results); in place, written into q and k."""
+    if layout == "bhsd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    c, s = full_tables(q, cos, sin, positions, interleaved)
+    qo = composite(q, c, s, interleaved, q if inplace else None)
+    ko = composite(k, c, s, interleaved, k if inplace else None)
+    if layout == "bhsd":
+        qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
+    return qo, ko
+
+
+def _define_rope() -> None:
+    """Register `ops_adv::rope`: fake kernel and autograd (rope's gradient is rope with -sin)."""
+    from torch.library import custom_op
+
+    @custom_op("ops_adv::rope", mutates_args=())
+    def rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                interleaved: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rope(q, k, cos, sin, positions, interleaved, layout, False)
+
+    @rope_op.register_fake
+    def _(q, k, cos, sin, positions, interleaved, layout):
+        return torch.empty_like(q), torch.empty_like(k)
+
+    def setup(ctx, inputs, output):
+        q, k, cos, sin, positions, interleaved, layout = inputs
+        ctx.attrs = (interleaved, layout)
+        ctx.save_for_backward(cos, sin, positions)
+
+    def backward(ctx, gq, gk):
+        cos, sin, positions = ctx.saved_tensors
+        interleaved, layout = ctx.attrs
+        gq, gk = torch.ops.ops_adv.rope(gq.contiguous(), gk.contiguous(), cos, -sin, positions, interleaved, layout)
+        return gq, gk, None, None, None, None, None
+
+    rope_op.register_autograd(backward, setup_context=setup)
+
+
+_define_rope()
