@@ -230,6 +230,17 @@ class LazyModule:
         return getattr(mod, attr)
 
 
+# Where an implementation comes from, for reports: "ours" (ops-adv's Triton/CPU kernels), "library"
+# (a third-party kernel library such as Liger-Kernel: it requires a module besides triton), "torch" (vendor).
+SOURCES = ("ours", "library", "torch")
+
+
+def source_of(impl: Impl) -> str:
+    if any(m != "triton" for m in impl.requires):
+        return "library"
+    return "torch" if impl.vendor else "ours"
+
+
 def unregister_impl(op: str, name: str) -> None:
     _IMPLS.get(op, {}).pop(name, None)
 

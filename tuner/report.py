@@ -1,4 +1,9 @@
-"""The per-problem table of winners, and a plot of speedup over the vendor kernel."""
+"""The per-problem table of winners, grouped by where each winner comes from, and a plot of speedup
+over the vendor kernel.
+
+Sources (kernel_space.source_of): "ours" (ops-adv's Triton and CPU kernels), "library" (a kernel
+library's candidate, e.g. Liger-Kernel), "torch" (the vendor kernel kept its place).
+"""
 from __future__ import annotations
 
 import json
@@ -23,13 +28,51 @@ def _short_problem(problem: dict) -> str:
     return " ".join(parts)
 
 
+def source(row: dict[str, Any]) -> str:
+    """Where a winner comes from: ours, library or torch; "unknown" for an implementation this install lacks."""
+    from kernel_space import OpsAdvError, get_impl
+    from kernel_space._registry import source_of
+
+    try:
+        return source_of(get_impl(str(row.get("op")), str(row.get("impl"))))
+    except OpsAdvError:
+        return "unknown"
+
+
+def _by_source(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows ordered by source (ours, library, torch, unknown), each with its `source`; stable within a source."""
+    from kernel_space._registry import SOURCES
+
+    order = {s: i for i, s in enumerate(SOURCES)}
+    tagged = [{**r, "source": source(r)} for r in rows]
+    return sorted(tagged, key=lambda r: order.get(r["source"], len(order)))
+
+
+def summarize_sources(rows: list[dict[str, Any]]) -> str:
+    """One line per source: how many problems it wins, of which ops, and its median speedup over the vendor."""
+    import statistics
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in _by_source(rows):
+        groups.setdefault(r["source"], []).append(r)
+    out = ["wins by source:"]
+    for src, rs in groups.items():
+        ops = sorted({str(r.get("op")) for r in rs})
+        sp = [r["speedup"] for r in rs if isinstance(r.get("speedup"), (int, float)) and not isinstance(r.get("speedup"), bool)]
+        med = f", median speedup {statistics.median(sp):.2f}x" if sp else ""
+        out.append(f"  {src}: {len(rs)} problem{'s' if len(rs) != 1 else ''} ({', '.join(ops)}){med}")
+    return "\n".join(out)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ("op", "problem", "winner", "params", "ms", "vendor", "vendor ms", "speedup")
+    """The winners grouped by source, then a summary line per source."""
+    header = ("source", "op", "problem", "winner", "params", "ms", "vendor", "vendor ms", "speedup")
     lines = [header]
+    rows = _by_source(rows)
     for r in rows:
         params = json.dumps(r.get("params"), separators=(",", ":"), default=str)[1:-1] or "-"
         lines.append((
-            r.get("op"), _short_problem(r.get("problem")), r.get("impl"), params, _num(r.get("median_ms")),
+            r["source"], r.get("op"), _short_problem(r.get("problem")), r.get("impl"), params, _num(r.get("median_ms")),
             r.get("vendor_impl"), _num(r.get("vendor_ms")), f"{_num(r.get('speedup'), '.2f')}x",
         ))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
@@ -38,17 +81,21 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return "\n".join(out) + ("\n\n" + summarize_sources(rows) if rows else "")
 
 
 def format_markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| op | problem | winner | params | ms | vendor | vendor ms | speedup |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| source | op | problem | winner | params | ms | vendor | vendor ms | speedup |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    rows = _by_source(rows)
     for r in rows:
         params = json.dumps(r.get("params"), separators=(",", ":"), default=str)[1:-1] or "-"
         out.append(
-            f"| {r.get('op')} | {_short_problem(r.get('problem'))} | {r.get('impl')} | {params} | {_num(r.get('median_ms'))} | "
-            f"{r.get('vendor_impl')} | {_num(r.get('vendor_ms'))} | {_num(r.get('speedup'), '.2f')}x |"
+            f"| {r['source']} | {r.get('op')} | {_short_problem(r.get('problem'))} | {r.get('impl')} | {params} | "
+            f"{_num(r.get('median_ms'))} | {r.get('vendor_impl')} | {_num(r.get('vendor_ms'))} | {_num(r.get('speedup'), '.2f')}x |"
         )
+    if rows:
+        out += ["", *(f"- {ln.strip()}" for ln in summarize_sources(rows).splitlines()[1:])]
     return "\n".join(out)
 
 
@@ -58,11 +105,18 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = _by_source(rows)
     labels = [f"{r.get('op')} {_short_problem(r.get('problem'))}" for r in rows]
     speed = [r.get("speedup") if isinstance(r.get("speedup"), (int, float)) else 0.0 for r in rows]
     fig, ax = plt.subplots(figsize=(10, max(3, 0.32 * len(rows) + 1)))
-    colors = ["tab:green" if s > 1.0 else "tab:gray" for s in speed]
+    palette = {"ours": "tab:green", "library": "tab:blue", "torch": "tab:gray"}
+    colors = [palette.get(r["source"], "tab:red") if s > 1.0 else "tab:gray" for r, s in zip(rows, speed)]
     ax.barh(range(len(rows)), speed, color=colors)
+    from matplotlib.patches import Patch
+
+    shown = [s for s in palette if any(r["source"] == s for r in rows)]
+    if shown:
+        ax.legend(handles=[Patch(color=palette[s], label=s) for s in shown], fontsize=7, loc="lower right")
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()

@@ -1,0 +1,57 @@
+"""add_rms_norm: h = x + residual (in the input dtype, as a Llama block adds), then rms_norm(h) * weight.
+Returns (normed, h); x may have any number of leading dims (rows). The problem, its inputs and reference."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _rowwise
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
+from .._registry import OpSpec, register_op
+
+
+class AddRmsNormProblem(NamedTuple):
+    rows: int
+    cols: int
+    dtype: str = "fp32"
+
+
+def signature(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple:
+    cols = x.shape[-1]
+    return (x.numel() // cols, cols, DTYPE_CODE[x.dtype])
+
+
+def make_inputs(p: AddRmsNormProblem, device, seed: int = 0):
+    g = generator(seed)
+    x = randn((p.rows, p.cols), p.dtype, device, g)
+    residual = randn((p.rows, p.cols), p.dtype, device, g)
+    return (x, residual, _rowwise.weight(p.cols, p.dtype, device, g, 1.0)), {"eps": 1e-6}
+
+
+def reference(x, residual, weight, eps: float = 1e-6) -> torch.Tensor:
+    """The normed output (what the tuner checks; the new residual is x + residual in x's dtype)."""
+    h = _rowwise.hi(x + residual)  # rounded to the input dtype, as the model's own add is
+    return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * _rowwise.hi(weight)
+
+
+def bytes_moved(p: AddRmsNormProblem) -> float:
+    """x and residual read, normed and h written, weight read."""
+    return float((4 * p.rows + 1) * p.cols * ITEMSIZE[p.dtype])
+
+
+SPEC = register_op(
+    OpSpec(
+        name="add_rms_norm",
+        problem=AddRmsNormProblem,
+        signature=signature,
+        make_inputs=make_inputs,
+        reference=reference,
+        tolerance=tolerance,
+        flops=lambda p: 5.0 * p.rows * p.cols,
+        bytes_moved=bytes_moved,
+        size_fields=("rows", "cols"),
+        streaming=("rows",),
+        default_problems=lambda device_class: _rowwise.default_problems(AddRmsNormProblem, device_class),
+    )
+)

@@ -1,0 +1,17 @@
+"""add_rms_norm on CUDA through Triton: add_layer_norm's space and check, and the launch wrapper."""
+from __future__ import annotations
+
+from .. import _rowwise
+from .._registry import LazyModule, register_triton
+from ..add_layer_norm.triton import check
+
+_kernels = LazyModule(__package__ + "._kernels")
+
+
+@register_triton("add_rms_norm", "triton_add_rms_norm", space=_rowwise.SPACE, check=check)
+def triton_add_rms_norm(x, residual, weight, eps: float = 1e-6, *, BLOCK_N=0, ROWS_PER_PROGRAM=1, PROGRAMS_PER_SM=0,
+                        num_warps=8, num_stages=1):
+    """Triton residual add + RMS norm: (normed, x + residual)."""
+    return _kernels.launch(x, residual, weight, None, eps, rms=True, BLOCK_N=BLOCK_N,
+                           ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, PROGRAMS_PER_SM=PROGRAMS_PER_SM,
+                           num_warps=num_warps, num_stages=num_stages)

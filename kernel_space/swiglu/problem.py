@@ -1,0 +1,76 @@
+"""swiglu(gate, up) = silu(gate) * up over rows x I. With `merged`, one [..., 2I] tensor holds gate in its
+first half and up in its second (what a merged gate_up projection produces; vLLM's SiluAndMul).
+The problem, its inputs and reference."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import _rowwise
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
+from .._registry import OpSpec, register_op
+
+
+class SwigluProblem(NamedTuple):
+    rows: int
+    cols: int  # I, the width of the output
+    merged: bool = False
+    dtype: str = "fp32"
+
+
+def signature(gate: torch.Tensor, up: torch.Tensor | None = None) -> tuple:
+    n = gate.shape[-1]
+    rows = gate.numel() // n if n else 0
+    if up is None:
+        return (rows, n // 2, True, DTYPE_CODE[gate.dtype])
+    return (rows, n, False, DTYPE_CODE[gate.dtype])
+
+
+def make_inputs(p: SwigluProblem, device, seed: int = 0):
+    g = generator(seed)
+    if p.merged:
+        return (randn((p.rows, 2 * p.cols), p.dtype, device, g, 2.0),), {}
+    return (randn((p.rows, p.cols), p.dtype, device, g, 2.0), randn((p.rows, p.cols), p.dtype, device, g)), {}
+
+
+def split(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up), halves of a merged tensor when `up` is None."""
+    if up is None:
+        n = gate.shape[-1] // 2
+        return gate[..., :n], gate[..., n:]
+    return gate, up
+
+
+def reference(gate, up=None) -> torch.Tensor:
+    g, u = split(gate, up)
+    return F.silu(_rowwise.hi(g)) * _rowwise.hi(u)
+
+
+def bytes_moved(p: SwigluProblem) -> float:
+    return float(3 * p.rows * p.cols * ITEMSIZE[p.dtype])
+
+
+SPEC = register_op(
+    OpSpec(
+        name="swiglu",
+        problem=SwigluProblem,
+        signature=signature,
+        make_inputs=make_inputs,
+        reference=reference,
+        tolerance=tolerance,
+        flops=lambda p: 5.0 * p.rows * p.cols,
+        bytes_moved=bytes_moved,
+        size_fields=("rows", "cols"),
+        streaming=("rows",),
+        default_problems=lambda device_class: default_problems(device_class),
+    )
+)
+
+
+def default_problems(device_class: str) -> list[SwigluProblem]:
+    if device_class == "cpu":
+        return [SwigluProblem(256, 1024), SwigluProblem(64, 2816, True)]
+    # Llama-3-8B / Mistral-7B (I 14336) and Qwen2-7B (I 18944), prefill and decode rows
+    return [SwigluProblem(r, i, m, "bf16") for i in (14336, 18944) for r in (4096, 32) for m in (False, True)]

@@ -1,0 +1,40 @@
+"""swiglu on CUDA through Triton: an element-wise space, its check, and the launch wrapper."""
+from __future__ import annotations
+
+from typing import Any
+
+from .._common import ITEMSIZE, pow2_at_least
+from .._registry import LazyModule, register_triton
+
+_kernels = LazyModule(__package__ + "._kernels")
+
+# One program computes a ROWS_PER_PROGRAM x BLOCK_N tile of the output (a 2-D grid: row tiles x
+# column blocks). Wider tiles mean fewer, longer programs; at decode (a few rows) narrow column
+# blocks give the GPU enough programs.
+SPACE: dict[str, tuple] = {
+    "BLOCK_N": (1024, 256, 512, 2048, 4096),
+    "ROWS_PER_PROGRAM": (1, 2, 4, 8),
+    "num_warps": (4, 1, 2, 8, 16),
+}
+_MIN_BYTES_PER_THREAD = 16  # one 128-bit load per operand
+_MAX_ELEMS_PER_THREAD = 32  # gate, up and the fp32 product in registers
+
+
+def check(p: Any, c) -> str | None:
+    bn, rpp, warps = c["BLOCK_N"], c["ROWS_PER_PROGRAM"], c["num_warps"]
+    if bn > pow2_at_least(p.cols):
+        return f"BLOCK_N {bn} is wider than the {p.cols}-column row needs ({pow2_at_least(p.cols)})"
+    if rpp > pow2_at_least(p.rows, 1):
+        return f"ROWS_PER_PROGRAM {rpp} exceeds the {p.rows} rows"
+    tile, threads = rpp * bn, 32 * warps
+    if tile * ITEMSIZE[p.dtype] < _MIN_BYTES_PER_THREAD * threads:
+        return f"a {rpp}x{bn} {p.dtype} tile gives each of {threads} threads under {_MIN_BYTES_PER_THREAD} bytes"
+    if tile > _MAX_ELEMS_PER_THREAD * threads:
+        return f"a {rpp}x{bn} tile needs over {_MAX_ELEMS_PER_THREAD} elements a thread with {warps} warps"
+    return None
+
+
+@register_triton("swiglu", "triton_swiglu", space=SPACE, check=check)
+def triton_swiglu(gate, up=None, *, BLOCK_N=1024, ROWS_PER_PROGRAM=1, num_warps=4):
+    """Triton silu(gate) * up (silu in fp32, one rounding); `up` None reads a merged [..., 2I] gate_up."""
+    return _kernels.launch(gate, up, BLOCK_N=BLOCK_N, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=num_warps)
