@@ -13,11 +13,11 @@ _GROUP_M = 8  # row tiles that share a weight tile in L2 (the usual grouped laun
 
 
 @triton.jit
-def conv2d_kernel(X, Wt, Y, N, C, H, W, K, P, Q,
+def conv2d_kernel(X, Wt, Y, Bias, N, C, H, W, K, P, Q,
                   sxn, sxc, sxh, sxw, swk, swc, swr, sws, syn, syk, syp, syq,
                   R: tl.constexpr, S: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr, DIL: tl.constexpr,
                   NHWC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr):
+                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr):
     M = N * P * Q
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -66,6 +66,12 @@ def conv2d_kernel(X, Wt, Y, N, C, H, W, K, P, Q,
             b = tl.trans(tl.load(w_out[:, None] + c[None, :] * swc + tap, mask=n_ok[:, None] & c_ok[None, :], other=0.0))
         acc = tl.dot(a, b, acc)
 
+    # Epilogue (conv2d_bn_relu): a per-channel bias (BatchNorm folded in) and ReLU, in fp32 before the cast.
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+
     y_pix = Y + img * syn + p * syp + q * syq
     if NHWC:
         tl.store(y_pix[:, None] + offs_n[None, :] * syk, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -76,8 +82,9 @@ def conv2d_kernel(X, Wt, Y, N, C, H, W, K, P, Q,
 
 def conv2d(x: torch.Tensor, weight: torch.Tensor, stride: int, padding: int, dilation: int, *, layout: str,
            BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, num_warps: int, num_stages: int,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Convolve in `layout` ("nhwc" or "nchw"), converting x and weight to it when they differ."""
+           out: torch.Tensor | None = None, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """Convolve in `layout` ("nhwc" or "nchw"), converting x and weight to it when they differ;
+    then add `bias` (K,) per output channel and apply ReLU when asked (fp32 epilogue)."""
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     x = x.contiguous(memory_format=fmt)
     weight = weight.contiguous(memory_format=fmt)
@@ -89,9 +96,10 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, stride: int, padding: int, dil
         out = torch.empty((N, K, P, Q), dtype=x.dtype, device=x.device, memory_format=fmt)
     grid = (triton.cdiv(N * P * Q, BLOCK_M) * triton.cdiv(K, BLOCK_N),)
     conv2d_kernel[grid](
-        x, weight, out, N, C, H, W, K, P, Q, *x.stride(), *weight.stride(), *out.stride(),
+        x, weight, out, bias if bias is not None else out, N, C, H, W, K, P, Q, *x.stride(), *weight.stride(), *out.stride(),
         R=R, S=S, STRIDE=stride, PAD=padding, DIL=dilation, NHWC=layout == "nhwc",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=_GROUP_M,
+        HAS_BIAS=bias is not None, RELU=relu,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

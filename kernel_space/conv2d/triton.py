@@ -40,17 +40,20 @@ def _check_implicit_gemm(p: Conv2dProblem, c) -> str | None:
     return None
 
 
+SPACE = {
+    "layout": ("nhwc", "nchw"),  # the layout the kernel runs in
+    "BLOCK_M": (128, 64, 256, 32),
+    "BLOCK_N": (64, 128, 256, 32),
+    "BLOCK_K": (64, 32, 128, 16),
+    "num_warps": (4, 8),
+    "num_stages": (3, 2, 4, 5),
+}
+
+
 @register_triton(
     "conv2d",
     "triton_implicit_gemm",
-    space={
-        "layout": ("nhwc", "nchw"),  # the layout the kernel runs in
-        "BLOCK_M": (128, 64, 256, 32),
-        "BLOCK_N": (64, 128, 256, 32),
-        "BLOCK_K": (64, 32, 128, 16),
-        "num_warps": (4, 8),
-        "num_stages": (3, 2, 4, 5),
-    },
+    space=SPACE,
     check=_check_implicit_gemm,
 )
 def triton_implicit_gemm(x, weight, stride: int = 1, padding: int = 0, dilation: int = 1, *, layout="nhwc",

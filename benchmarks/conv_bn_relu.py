@@ -1,0 +1,286 @@
+#!/usr/bin/env python
+"""conv2d_bn_relu at ResNet-50's layers, and the whole ResNet-50, eager against fused (H200, < 4 min).
+
+Layers: every distinct conv of torchvision's ResNet-50 (random weights, 224x224), at --batch in
+--dtype, with NCHW and channels_last callers. Each layer runs what the model runs after it (BN,
+and ReLU where one follows the BN directly). Candidates, side by side:
+- eager:     conv -> BatchNorm2d (eval) -> ReLU(inplace) modules, unfolded: what the model does today;
+- cudnn:     our vendor candidate in the caller's layout: F.conv2d with the folded weight and bias, relu_;
+- cudnn_oth: the same in the other layout, the conversion of x and weight timed with it;
+- triton:    our implicit-GEMM kernel with the bias + ReLU epilogue, best of a small sweep (caller's layout);
+- compile:   torch.compile of the eager trio (default mode, dynamic=False).
+Every candidate is captured in a torch.cuda.CUDAGraph (the small layers are launch-bound at batch 32:
+graphs time the GPU work, not Python), the L2 is flushed before each repetition, and candidates run in
+interleaved rounds (median of medians). Speed-ups are eager time / candidate time.
+
+Whole model: ResNet-50 inference at --batch, eager vs fuse_conv_bn_relu-converted (default dispatch:
+no tuned table), NCHW and channels_last, launched from Python and under a CUDA graph.
+
+    python benchmarks/conv_bn_relu.py --out results/conv_bn_relu.json         # the H200 run
+    python benchmarks/conv_bn_relu.py --device cpu --quick --out /tmp/cbr.json   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from kernel_space import get_impl, get_op, relative_error  # noqa: E402
+from ops_adv._conv_fused import ConvBNReLU, fuse_conv_bn_relu  # noqa: E402
+from workers.timing import interleaved, time_fn  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried per layer; the check drops what a shape cannot use.
+SWEEP = {
+    "nhwc": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (64, 64, 64, 4, 3), (128, 64, 16, 4, 3)],
+    "nchw": [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 3), (128, 64, 64, 8, 3), (128, 64, 16, 4, 3)],
+}
+T0 = time.perf_counter()
+
+
+def log(*a: Any) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def resnet50_layers(res: int) -> list[dict]:
+    """Distinct (conv shape, relu) of ResNet-50 as fuse_conv_bn_relu fuses it, with how often each occurs."""
+    import torchvision
+
+    model = torchvision.models.resnet50().eval()
+    fuse_conv_bn_relu(model)
+    seen: dict[tuple, dict] = {}
+
+    def hook(m, inputs, _out):
+        _, C, H, W = inputs[0].shape
+        key = (C, H, W, m.out_channels, m.kernel_size[0], m.stride[0], m.padding[0], m.relu)
+        seen.setdefault(key, {"C": C, "H": H, "W": W, "K": m.out_channels, "R": m.kernel_size[0],
+                              "stride": m.stride[0], "padding": m.padding[0], "relu": m.relu, "count": 0})["count"] += 1
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, ConvBNReLU)]
+    with torch.no_grad():
+        model(torch.randn(1, 3, res, res))
+    for h in handles:
+        h.remove()
+    return list(seen.values())
+
+
+def graphed(fn: Callable[[], Any], device: torch.device, use_graph: bool) -> Callable[[], Any]:
+    """`fn` replayed from a CUDA graph (after warm-up on a side stream), or `fn` itself off CUDA."""
+    if device.type != "cuda" or not use_graph:
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _bn(K: int, dtype, device) -> nn.BatchNorm2d:
+    bn = nn.BatchNorm2d(K)
+    with torch.no_grad():
+        bn.running_mean.uniform_(-0.2, 0.2)
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.2, 0.2)
+    return bn.eval().to(device=device, dtype=dtype)
+
+
+def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
+    dtype = DTYPES[args.dtype]
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    conv = nn.Conv2d(L["C"], L["K"], L["R"], L["stride"], L["padding"], bias=False).eval().to(device, dtype)
+    bn = _bn(L["K"], dtype, device)
+    conv, bn = conv.to(memory_format=fmt), bn.to(memory_format=fmt)
+    relu = nn.ReLU(inplace=True)
+    fused = ConvBNReLU.fold(conv, bn, L["relu"])
+    w, b = fused.weight, fused.bias
+    x = torch.randn(args.batch, L["C"], L["H"], L["W"], device=device, dtype=dtype).contiguous(memory_format=fmt)
+    attrs = dict(stride=L["stride"], padding=L["padding"], dilation=1, relu=L["relu"])
+    spec = get_op("conv2d_bn_relu")
+    problem = spec.problem._make(spec.signature(x, w, b, **attrs))
+
+    def eager():
+        y = bn(conv(x))
+        return relu(y) if L["relu"] else y
+
+    other = "cudnn_nchw" if layout == "nhwc" else "cudnn_nhwc"
+    cands: dict[str, Callable[[], Any]] = {
+        "eager": eager,
+        "cudnn": lambda: get_impl("conv2d_bn_relu", f"cudnn_{layout}").fn(x, w, b, **attrs),
+        "cudnn_oth": lambda: get_impl("conv2d_bn_relu", other).fn(x, w, b, **attrs),
+    }
+    row: dict[str, Any] = {"layer": L, "layout": layout, "problem": problem._asdict()}
+    ref = spec.reference(x, w, b, **attrs)
+    if device.type == "cuda":
+        impl = get_impl("conv2d_bn_relu", "triton_implicit_gemm")
+        best, best_ms = None, float("inf")
+        for bm, bn_, bk, warps, stages in SWEEP[layout]:
+            params = dict(layout=layout, BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            if impl.check(problem, params) is not None:
+                continue
+            try:
+                fn = impl.bind(params)
+                err = relative_error(fn(x, w, b, **attrs), ref)
+                if err > spec.tolerance(args.dtype):
+                    log(f"  triton {params} wrong: {err:.2e}")
+                    continue
+                ms = time_fn(lambda: fn(x, w, b, **attrs), device=device, reps=10, budget_s=0.2).median_ms
+            except Exception as e:  # a config that does not compile or run is skipped
+                log(f"  triton {params} failed: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            if ms < best_ms:
+                best, best_ms = params, ms
+        if best is not None:
+            fn_best = impl.bind(best)
+            cands["triton"] = lambda: fn_best(x, w, b, **attrs)
+            row["triton_params"] = best
+            row["triton_err"] = relative_error(fn_best(x, w, b, **attrs), ref)
+    if args.compile:
+        comp = torch.compile(eager, dynamic=False)
+        with torch.no_grad():
+            comp()
+        cands["compile"] = comp
+    row["vendor_err"] = relative_error(cands["cudnn"](), ref)
+    row["eager_err"] = relative_error(eager(), ref)
+    with torch.no_grad():
+        fns = {k: graphed(f, device, args.graphs) for k, f in cands.items()}
+        t = interleaved(fns, device=device, rounds=args.rounds, reps=args.reps, budget_s=0.3)
+    row["ms"] = {k: v.median_ms for k, v in t.items()}
+    row["speedup"] = {k: t["eager"].median_ms / v.median_ms for k, v in t.items() if k != "eager"}
+    del fns
+    return row
+
+
+def bench_model(layout: str, args, device: torch.device) -> dict:
+    import torchvision
+
+    dtype = DTYPES[args.dtype]
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_var.uniform_(0.5, 2.0)
+    model = model.to(device=device, dtype=dtype, memory_format=fmt)
+    fused = copy.deepcopy(model)
+    report = fuse_conv_bn_relu(fused)
+    x = torch.randn(args.batch, 3, args.res, args.res, device=device, dtype=dtype).contiguous(memory_format=fmt)
+    with torch.no_grad():
+        want, got = model(x).float(), fused(x).float()
+        err = relative_error(got, want)
+        top1 = float((want.argmax(-1) == got.argmax(-1)).float().mean())
+        fns = {"eager": lambda: model(x), "fused": lambda: fused(x)}
+        if device.type == "cuda" and args.graphs:
+            fns["eager+graph"] = graphed(fns["eager"], device, True)
+            fns["fused+graph"] = graphed(fns["fused"], device, True)
+        t = interleaved(fns, device=device, rounds=args.rounds, reps=args.reps, budget_s=1.0)
+    ms = {k: v.median_ms for k, v in t.items()}
+    return {"layout": layout, "fused_sites": sum(r["converted"] == "yes" for r in report), "rel_err": err,
+            "top1_agree": top1, "ms": ms, "speedup": {"fused": ms["eager"] / ms["fused"],
+                                                     **({"fused+graph": ms["eager+graph"] / ms["fused+graph"]}
+                                                        if "fused+graph" in ms else {})}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON path for all results")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="a few layers, small batch and resolution (smoke test)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--res", type=int, default=224)
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile column")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time Python launches, not graphs")
+    ap.add_argument("--no-model", dest="model", action="store_false", help="skip the whole-model runs")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --device cpu --quick for a smoke test")
+    if args.quick:
+        args.batch, args.res, args.rounds, args.reps = 2, 64, 1, 3
+        if device.type == "cpu":
+            args.dtype, args.compile = "fp32", False
+    torch.backends.cudnn.benchmark = True  # what a conv model sets; each candidate gets cuDNN's best algorithm
+    layers = resnet50_layers(args.res)
+    if args.quick:
+        layers = layers[:3]
+    log(f"{len(layers)} distinct conv layers of ResNet-50 at {args.res}x{args.res}, batch {args.batch}, {args.dtype}")
+    rows = []
+    head = f"{'layer (C,HxW,K,RxR,s,relu) x count':40} {'lay':4} {'eager ms':>9}  " \
+           f"{'cudnn':>6} {'oth':>6} {'triton':>6} {'compile':>7}   (speed-up over eager)"
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                           "torch": torch.__version__, "batch": args.batch, "res": args.res, "dtype": args.dtype,
+                           "graphs": args.graphs, "l2_flushed": True, "layers": rows, "model": []}
+    lines = [head]
+    log(head)
+    for layout in ("nchw", "nhwc"):
+        for L in layers:
+            row = bench_layer(L, layout, args, device)
+            rows.append(row)
+            s = row["speedup"]
+            name = f"{L['C']},{L['H']}x{L['W']},{L['K']},{L['R']}x{L['R']},s{L['stride']},{'relu' if L['relu'] else '-'} x{L['count']}"
+            line = f"{name:40} {layout:4} {row['ms']['eager']:9.4f}  " + " ".join(
+                f"{s[k]:{w}.2f}" if k in s else f"{'-':>{w}}" for k, w in (("cudnn", 6), ("cudnn_oth", 6),
+                                                                         ("triton", 6), ("compile", 7)))
+            lines.append(line)
+            log(line)
+            Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    for layout in ("nchw", "nhwc"):
+        # count-weighted totals: the time of all ResNet-50 convs + BN + ReLU, each candidate alone
+        sel = [r for r in rows if r["layout"] == layout]
+        tot = {k: sum(r["ms"].get(k, r["ms"]["eager"]) * r["layer"]["count"] for r in sel) for k in sel[0]["ms"]}
+        best = sum(min(r["ms"][k] for k in r["ms"] if k in ("cudnn", "cudnn_oth", "triton")) * r["layer"]["count"]
+                   for r in sel)
+        geo = {k: statistics.geometric_mean([r["speedup"][k] for r in sel if k in r["speedup"]])
+               for k in sel[0]["speedup"]}
+        summary = {"layout": layout, "total_ms": tot, "best_of_ours_ms": best,
+                   "total_speedup": {k: tot["eager"] / v for k, v in tot.items() if k != "eager"},
+                   "best_of_ours_speedup": tot["eager"] / best, "geomean_speedup": geo,
+                   "target_1.1x_met": tot["eager"] / best >= 1.1}
+        out.setdefault("summary", []).append(summary)
+        line = (f"{layout}: all layers (x count) eager {tot['eager']:.3f} ms; speed-up "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in summary["total_speedup"].items())
+                + f"; best of ours per layer {summary['best_of_ours_speedup']:.2f}x (target >= 1.1x: "
+                + ("met" if summary["target_1.1x_met"] else "NOT met") + "); geomean "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in geo.items()))
+        lines.append(line)
+        log(line)
+    if args.model:
+        for layout in ("nchw", "nhwc"):
+            r = bench_model(layout, args, device)
+            out["model"].append(r)
+            line = (f"ResNet-50 {layout} batch {args.batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in r["ms"].items())
+                    + "; speed-up " + ", ".join(f"{k} {v:.2f}x" for k, v in r["speedup"].items())
+                    + f"; {r['fused_sites']} sites fused, rel err {r['rel_err']:.2e}, top-1 agree {r['top1_agree']:.2f}")
+            lines.append(line)
+            log(line)
+    out["table"] = lines
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

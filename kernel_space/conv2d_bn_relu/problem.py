@@ -1,0 +1,104 @@
+"""conv2d_bn_relu: relu?(F.conv2d(x, weight, bias)) with the BatchNorm already folded into weight and bias.
+
+x (N, C, H, W), weight (K, C, R, S), bias (K,), all of one dtype; square stride/padding/dilation,
+groups 1. `relu` False covers conv + BN alone. `layout` is the caller's memory format of x, as in
+conv2d: candidates that run in the other format convert first, and the conversion is timed.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
+from .._registry import OpSpec, register_op
+from ..conv2d.problem import _RESNET50, out_hw
+
+
+class ConvBnReluProblem(NamedTuple):
+    N: int
+    C: int
+    H: int
+    W: int
+    K: int
+    R: int
+    S: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    layout: str = "nchw"
+    dtype: str = "fp32"
+    relu: bool = True
+
+
+def signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: int = 1, padding: int = 0,
+              dilation: int = 1, relu: bool = True) -> tuple:
+    N, C, H, W = x.shape
+    K, _, R, S = weight.shape
+    nhwc = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    return (N, C, H, W, K, R, S, stride, padding, dilation, "nhwc" if nhwc else "nchw", DTYPE_CODE[x.dtype], relu)
+
+
+def make_inputs(p: ConvBnReluProblem, device, seed: int = 0):
+    g = generator(seed)
+    x = randn((p.N, p.C, p.H, p.W), p.dtype, device, g)
+    w = randn((p.K, p.C, p.R, p.S), p.dtype, device, g, scale=(p.C * p.R * p.S) ** -0.5)
+    b = randn((p.K,), p.dtype, device, g, scale=0.5)  # a folded shift: some channels mostly negative
+    if p.layout == "nhwc":  # a channels_last model: activations and weights both
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = w.contiguous(memory_format=torch.channels_last)
+    return (x, w, b), {"stride": p.stride, "padding": p.padding, "dilation": p.dilation, "relu": p.relu}
+
+
+def reference(x, weight, bias, stride: int = 1, padding: int = 0, dilation: int = 1, relu: bool = True) -> torch.Tensor:
+    hi = torch.float64 if x.device.type == "cpu" else torch.float32
+    prev = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        y = F.conv2d(x.to(hi), weight.to(hi), bias.to(hi), stride=stride, padding=padding, dilation=dilation)
+    finally:
+        torch.backends.cudnn.allow_tf32 = prev
+    return torch.relu(y) if relu else y
+
+
+def _flops(p: ConvBnReluProblem) -> float:
+    P, Q = out_hw(p)
+    return 2.0 * p.N * p.K * P * Q * p.C * p.R * p.S
+
+
+def _bytes(p: ConvBnReluProblem) -> float:
+    P, Q = out_hw(p)
+    return float((p.N * p.C * p.H * p.W + p.K * p.C * p.R * p.S + p.K + p.N * p.K * P * Q) * ITEMSIZE[p.dtype])
+
+
+def default_problems(device_class: str) -> list[ConvBnReluProblem]:
+    if device_class == "cpu":
+        return [
+            ConvBnReluProblem(2, 16, 16, 16, 32, 3, 3, 1, 1, 1, "nchw"),
+            ConvBnReluProblem(2, 16, 16, 16, 32, 3, 3, 1, 1, 1, "nhwc"),
+            ConvBnReluProblem(4, 32, 15, 15, 64, 1, 1, 2, 0, 1, "nchw", relu=False),
+        ]
+    # ResNet-50's convolutions at batch 32, each followed by BN + ReLU.
+    return [
+        ConvBnReluProblem(32, C, H, H, K, R, R, s, pad, 1, layout, "bf16")
+        for layout in ("nhwc", "nchw")
+        for C, H, K, R, s, pad in _RESNET50
+    ]
+
+
+SPEC = register_op(
+    OpSpec(
+        name="conv2d_bn_relu",
+        problem=ConvBnReluProblem,
+        signature=signature,
+        make_inputs=make_inputs,
+        reference=reference,
+        tolerance=tolerance,
+        flops=_flops,
+        bytes_moved=_bytes,
+        size_fields=("N", "C", "H", "W", "K", "R", "S"),
+        streaming=("N",),
+        default_problems=default_problems,
+    )
+)

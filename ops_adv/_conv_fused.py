@@ -1,0 +1,259 @@
+"""Inference Conv2d + BatchNorm2d (+ ReLU) as one op, and the model pass that finds and fuses them.
+
+`conv2d_bn_relu(x, weight, bias, ...)` takes the weight and bias with the BatchNorm already
+folded in. Eager calls without grad: signature, one dict lookup, the tuned implementation.
+Under torch.compile / torch.export / jit.trace: the `ops_adv::conv2d_bn_relu` custom operator
+(a fake kernel, no autograd formula). Calls where an input needs grad run the torch composite,
+whose gradients are torch's own.
+
+`fuse_conv_bn_relu(model)` rewrites an eval-mode model in place: each Conv2d -> BatchNorm2d
+(-> ReLU) that torch.fx finds in one module's forward becomes a `ConvBNReLU` holding the folded
+weight and bias (folded once, in float64), and the BatchNorm (and ReLU call) leave that forward.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernel_space._common import DTYPE_CODE
+
+from ._dispatch import cache_for, lookup
+from ._ops import _conv_format, _fresh, _square
+
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+_grad_enabled = torch.is_grad_enabled
+_cache = cache_for("conv2d_bn_relu")
+
+
+def _composite(x, weight, bias, stride, padding, dilation, relu: bool) -> torch.Tensor:
+    y = F.conv2d(x, weight, bias, stride, padding, dilation)
+    return F.relu(y) if relu else y
+
+
+def conv2d_bn_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1,
+                   padding: Any = 0, dilation: Any = 1, relu: bool = True) -> torch.Tensor:
+    """relu(F.conv2d(x, weight, bias, stride, padding, dilation)) (no relu when `relu` is False), where
+    weight and bias carry a folded BatchNorm; square stride/padding/dilation run the tuned kernel."""
+    s, p, d = _square(stride), _square(padding), _square(dilation)
+    if s is None or p is None or d is None or bias is None or x.dim() != 4 or weight.dim() != 4 \
+            or x.dtype not in DTYPE_CODE or weight.dtype is not x.dtype or bias.dtype is not x.dtype \
+            or x.shape[1] != weight.shape[1] or bias.shape != (weight.shape[0],):
+        return _composite(x, weight, bias, stride, padding, dilation, relu)
+    if _grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+        return _composite(x, weight, bias, s, p, d, relu)  # inference op: torch's graph gives the gradients
+    if _is_compiling() or _tracing_state() is not None:
+        return torch.ops.ops_adv.conv2d_bn_relu(x, weight, bias, s, p, d, bool(relu))
+    return _run(x, weight, bias, s, p, d, bool(relu))
+
+
+def _run(x, weight, bias, s: int, p: int, d: int, relu: bool) -> torch.Tensor:
+    N, C, H, W = x.shape
+    K, _, R, S = weight.shape
+    P = (H + 2 * p - d * (R - 1) - 1) // s + 1
+    Q = (W + 2 * p - d * (S - 1) - 1) // s + 1
+    if not (N and C and K and R and S) or P <= 0 or Q <= 0 or x.device != weight.device or x.device != bias.device:
+        return _composite(x, weight, bias, s, p, d, relu)
+    nhwc = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    problem = (N, C, H, W, K, R, S, s, p, d, "nhwc" if nhwc else "nchw", DTYPE_CODE[x.dtype], relu)
+    fn = _cache.get((problem, x.device))
+    if fn is None:
+        fn = lookup("conv2d_bn_relu", problem, x.device)
+    return fn(x, weight, bias, s, p, d, relu)
+
+
+def _define() -> None:
+    from torch.library import custom_op
+
+    @custom_op("ops_adv::conv2d_bn_relu", mutates_args=())
+    def conv2d_bn_relu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: int, padding: int,
+                          dilation: int, relu: bool) -> torch.Tensor:
+        return _fresh(_run(x, weight, bias, stride, padding, dilation, relu), (x, weight, bias), _conv_format(x))
+
+    @conv2d_bn_relu_op.register_fake
+    def _(x, weight, bias, stride, padding, dilation, relu):
+        return F.conv2d(x, weight, bias, stride, padding, dilation).contiguous(memory_format=_conv_format(x))
+
+
+if not hasattr(torch.ops.ops_adv, "conv2d_bn_relu"):  # a reload of this module must not define it twice
+    _define()
+
+
+# --------------------------------------------------------------------------- the module and the model pass
+
+
+class ConvBNReLU(nn.Module):
+    """Conv2d -> BatchNorm2d (eval) -> ReLU as one inference op; weight and bias are the folded buffers."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, stride, padding, dilation, relu: bool) -> None:
+        super().__init__()
+        self.out_channels, self.in_channels = weight.shape[:2]
+        self.kernel_size = tuple(weight.shape[2:])
+        self.stride, self.padding, self.dilation, self.relu = stride, padding, dilation, relu
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def fold(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> ConvBNReLU:
+        """The folded module: w·γ/√(var+ε) and (b − mean)·γ/√(var+ε) + β, in float64, then cast to conv's dtype."""
+        with torch.no_grad():
+            hi = torch.float64
+            scale = torch.rsqrt(bn.running_var.to(hi) + bn.eps)
+            if bn.weight is not None:
+                scale = scale * bn.weight.to(hi)
+            shift = -bn.running_mean.to(hi) * scale
+            if bn.bias is not None:
+                shift = shift + bn.bias.to(hi)
+            if conv.bias is not None:
+                shift = shift + conv.bias.to(hi) * scale
+            w = (conv.weight.to(hi) * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype)
+            b = shift.to(device=conv.weight.device, dtype=conv.weight.dtype)
+        fmt = torch.channels_last if conv.weight.is_contiguous(memory_format=torch.channels_last) \
+            and not conv.weight.is_contiguous() else torch.contiguous_format
+        return cls(w.contiguous(memory_format=fmt), b, conv.stride, conv.padding, conv.dilation, relu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv2d_bn_relu(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.relu)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, relu={self.relu}")
+
+
+class _OneLevel(torch.fx.Tracer):
+    """Traces one module's own forward: every submodule call stays a call_module node."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return True
+
+
+_RELU_FUNCS = (F.relu, torch.relu, torch.relu_, F.relu_)
+
+
+def _is_relu(node: torch.fx.Node, modules: dict[str, nn.Module], src: torch.fx.Node) -> bool:
+    """Whether `node` is relu(src) and nothing more (a ReLU module, F.relu / torch.relu, or .relu())."""
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        return type(m) is nn.ReLU and node.args == (src,) and not node.kwargs
+    if node.op == "call_function":
+        return node.target in _RELU_FUNCS and node.args[:1] == (src,) and len(node.args) + len(node.kwargs) <= 2 \
+            and set(node.kwargs) <= {"inplace"}
+    if node.op == "call_method":
+        return node.target in ("relu", "relu_") and node.args == (src,) and not node.kwargs
+    return False
+
+
+def _site(name: str, why: str, fused: bool) -> dict[str, str]:
+    return {"module": name, "type": "Conv2d+BatchNorm2d", "converted": "yes" if fused else "no", "why": why}
+
+
+def _conv_refusal(conv: nn.Module) -> str | None:
+    if type(conv).forward is not nn.Conv2d.forward:
+        return f"{type(conv).__name__} overrides Conv2d.forward"
+    if conv.groups != 1:
+        return f"groups={conv.groups}: conv2d_bn_relu covers groups 1"
+    if conv.padding_mode != "zeros":
+        return f"padding_mode={conv.padding_mode!r}: only zero padding folds into conv2d_bn_relu"
+    if isinstance(conv.padding, str):
+        return f"padding={conv.padding!r}: only numeric padding is supported"
+    if not conv.weight.dtype.is_floating_point:
+        return f"weight dtype {conv.weight.dtype} is not floating point"
+    return None
+
+
+def _bn_refusal(bn: nn.Module, conv: nn.Conv2d) -> str | None:
+    if type(bn).forward is not nn.BatchNorm2d.forward:
+        return f"{type(bn).__name__} overrides BatchNorm2d.forward"
+    if bn.training:
+        return "the BatchNorm is in training mode (batch statistics): call model.eval() first"
+    if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
+        return "the BatchNorm has no running statistics (track_running_stats=False)"
+    if bn.num_features != conv.out_channels:
+        return f"BatchNorm has {bn.num_features} features for the conv's {conv.out_channels} channels"
+    return None
+
+
+def fuse_conv_bn_relu(model: nn.Module) -> list[dict[str, str]]:
+    """Fuse each Conv2d -> BatchNorm2d (-> ReLU) of an eval-mode `model`, in place, into a `ConvBNReLU`.
+
+    Each module's own forward is traced with torch.fx (submodules kept as calls). A site fuses when
+    the conv's output is read by the BatchNorm alone, and takes the ReLU in when the BatchNorm's
+    output is read by one relu alone; the conv and BatchNorm must be called once, from one parent.
+    A forward that changes gets the rewritten graph's code; the BatchNorm becomes nn.Identity.
+    Returns one entry per candidate site (a Conv2d feeding a BatchNorm2d) or per refusal, with why.
+    """
+    if model.training:
+        return [_site("", "model is in training mode (BatchNorm uses batch statistics): call model.eval() "
+                          "first; left unchanged", False)]
+    parents: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for c in m.children():
+            parents[id(c)] = parents.get(id(c), 0) + 1
+    report: list[dict[str, str]] = []
+    for owner_name, owner in list(model.named_modules()):
+        kids = dict(owner.named_children())
+        if not any(isinstance(c, nn.Conv2d) for c in kids.values()) \
+                or not any(isinstance(c, nn.BatchNorm2d) for c in kids.values()):
+            continue
+        prefix = owner_name + "." if owner_name else ""
+        try:
+            graph = _OneLevel().trace(owner)
+        except Exception as e:  # data-dependent control flow, unsupported Python
+            report.append(_site(owner_name, f"torch.fx cannot trace {type(owner).__name__}.forward "
+                                            f"({type(e).__name__}: {str(e)[:120]}); left unchanged", False))
+            continue
+        report += _fuse_in(owner, graph, prefix, parents)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(report, key=lambda r: order.get(r["module"], -1))  # in the model's module order
+
+
+def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict[int, int]) -> list[dict[str, str]]:
+    modules = dict(owner.named_children())
+    calls: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    out, changed = [], False
+    for n in list(graph.nodes):
+        bn = modules.get(n.target) if n.op == "call_module" else None
+        src = n.args[0] if n.args else None
+        if not isinstance(bn, nn.BatchNorm2d) or getattr(src, "op", None) != "call_module" \
+                or not isinstance(modules.get(src.target), nn.Conv2d):
+            continue
+        conv = modules[src.target]
+        name = prefix + src.target
+        why = _conv_refusal(conv) or _bn_refusal(bn, conv)
+        if why is None and (len(src.users) != 1 or len(n.args) != 1 or n.kwargs):
+            why = f"the conv's output is also read elsewhere than {prefix}{n.target}"
+        if why is None and (calls[src.target] != 1 or calls[n.target] != 1
+                            or parents.get(id(conv), 0) != 1 or parents.get(id(bn), 0) != 1):
+            why = "the conv or the BatchNorm is called more than once or shared between modules"
+        if why is None and conv.training:
+            why = "the conv is in training mode: call model.eval() first"
+        if why is not None:
+            out.append(_site(name, f"not fused with {prefix}{n.target}: {why}", False))
+            continue
+        users = list(n.users)
+        relu = users[0] if len(users) == 1 and _is_relu(users[0], modules, n) else None
+        fused = ConvBNReLU.fold(conv, bn, relu is not None)
+        setattr(owner, src.target, fused)
+        setattr(owner, n.target, nn.Identity())
+        n.replace_all_uses_with(src)
+        graph.erase_node(n)
+        if relu is not None:
+            relu.replace_all_uses_with(src)
+            graph.erase_node(relu)
+        changed = True
+        tail = " -> ReLU" if relu is not None else " (its output has other readers than one ReLU: ReLU not fused)" \
+            if len(users) != 1 else " (no ReLU follows)"
+        out.append(_site(name, f"fused with {prefix}{n.target}{tail} into ConvBNReLU (folded weight and bias)", True))
+    if changed:
+        graph.lint()
+        gm = torch.fx.GraphModule(owner, graph, class_name=type(owner).__name__ + "Fused")
+        # The rewritten forward reads the same submodule objects; kept out of owner's children (and state_dict).
+        owner.__dict__["_ops_adv_fused_graph"] = gm
+        owner.forward = gm.forward
+    return out
