@@ -143,3 +143,38 @@ def test_unknown_activation_is_refused():
     x = torch.randn(2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="activation 'tanh' is not one of"):
         get_impl("gemm", "triton_splitk_decode").fn(x, torch.randn(32, 16, device=DEVICE), activation="tanh")
+
+
+TMA = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4, "num_stages": 2, "FLATTEN": True}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, True)])
+def test_tma_persistent_matches_reference(dtype, trans_a, trans_b):
+    # 3x3 output tiles over 4 programs (the interpreter's "SM count"): programs take 2 or 3 tiles;
+    # M, N, K not multiples of their tiles: TMA zero-fills the edges.
+    problem = GemmProblem(136, 72, 40, dtype, trans_a, trans_b)
+    impl = get_impl("gemm", "triton_tma")
+    assert impl.check(problem, TMA) is None, impl.check(problem, TMA)
+    spec = get_op("gemm")
+    (a, b), _ = spec.make_inputs(problem, DEVICE, seed=0)
+    out = torch.full((136, 72), float("nan"), dtype=a.dtype, device=DEVICE)
+    assert impl.fn(a, b, **TMA, out=out) is out
+    assert relative_error(out, spec.reference(a, b)) <= spec.tolerance(dtype)
+
+
+def test_tma_epilogue_and_untma_layout_fallback():
+    x, w, b, ref = _epilogue_case("fp16", 80, 40, 24, True, "gelu_tanh")
+    tma = get_impl("gemm", "triton_tma").fn
+    assert relative_error(tma(x, w.t(), **TMA, bias=b, activation="gelu_tanh"), ref) <= 5e-3
+    wide = torch.zeros(40, 27, dtype=w.dtype, device=DEVICE)
+    wide[:, :24] = w  # rows of 54 bytes: no TMA descriptor, the pointer kernel runs
+    assert relative_error(tma(x, wide[:, :24].t(), **TMA, bias=b, activation="gelu_tanh"), ref) <= 5e-3
+
+
+def test_tma_check_refuses_with_a_reason():
+    impl = get_impl("gemm", "triton_tma")
+    assert "16 TMA needs" in impl.check(GemmProblem(3000, 5001, 1000, "bf16"), impl.default_params())
+    assert "decode" in impl.check(GemmProblem(64, 4096, 4096, "bf16"), {**impl.default_params(), "BLOCK_M": 64})
+    assert "shared memory" in impl.check(GemmProblem(4096, 4096, 4096, "fp32"), {**impl.default_params(), "BLOCK_K": 128, "num_stages": 5})
+    assert impl.check(GemmProblem(3000, 5000, 1000, "bf16"), impl.default_params()) is None

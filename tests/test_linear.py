@@ -66,6 +66,14 @@ def test_triton_candidates(dtype, activation):
     _check_impl("triton_splitk_decode", p, {"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 2, "num_stages": 2})
 
 
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_tma_candidate(activation):
+    pytest.importorskip("triton")
+    p = LinearProblem(72, 40, 24, True, activation, "fp16")
+    _check_impl("triton_tma", p, {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4,
+                                  "num_stages": 2, "FLATTEN": False})
+
+
 def test_decode_candidate_refuses_prefill():
     why = get_impl("linear", "triton_splitk_decode").check(LinearProblem(128, 4096, 4096, True, "silu", "bf16"),
                                                            get_impl("linear", "triton_splitk_decode").default_params())

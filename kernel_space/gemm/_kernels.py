@@ -185,6 +185,7 @@ def _new_workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # kept alive: CUDA graphs captured with them still use them
 
 
 def _tile_counters(tiles: int, device: torch.device) -> torch.Tensor:
@@ -193,7 +194,9 @@ def _tile_counters(tiles: int, device: torch.device) -> torch.Tensor:
     running at once on different streams of one device."""
     cnt = _counters.get(device)
     if cnt is None or cnt.numel() < tiles:
-        cnt = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        if cnt is not None:
+            _outgrown.append(cnt)
+        cnt = _counters[device] = torch.zeros(max(tiles, 2048), dtype=torch.int32, device=device)
     return cnt
 
 
@@ -282,5 +285,90 @@ def splitk_decode(
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
         S_XM=sxm, S_WK=swk, S_WN=swn, VEC_N=_row_vec(N, vec), HAS_BIAS=has_bias, ACTIVATION=activation,
         num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _gemm_tma_persistent(
+    a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_bias,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, FLATTEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+):
+    """One program per SM walks output tiles (grouped order); TMA loads tiles into shared memory.
+    A_T: a_desc describes A.T (K, M); B_T: b_desc describes B.T (N, K), as a Linear weight."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)  # TMA zero-fills past the edges: no masks anywhere
+    per_group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN):
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            ok = ki * BLOCK_K
+            if A_T:
+                a = a_desc.load([ok, om]).T
+            else:
+                a = a_desc.load([om, ok])
+            if B_T:
+                b = b_desc.load([on, ok]).T
+            else:
+                b = b_desc.load([ok, on])
+            acc = tl.dot(a, b, acc)
+        acc = _epilogue(acc, bias_ptr, on + tl.arange(0, BLOCK_N), N, stride_bias, HAS_BIAS, ACTIVATION)
+        c_desc.store([om, on], acc.to(c_desc.dtype))
+
+
+_sm_counts: dict[torch.device, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return n
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a 2-D tensor's layout is one a TMA descriptor can describe (row-major, 16-byte aligned)."""
+    size = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def gemm_tma(
+    a: torch.Tensor, b: torch.Tensor,
+    BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, GROUP_M: int, num_warps: int, num_stages: int, FLATTEN: bool,
+    out: torch.Tensor | None = None, bias: torch.Tensor | None = None, activation: str = "none",
+) -> torch.Tensor:
+    """Persistent TMA gemm (sm_90+); layouts TMA cannot describe run the pointer kernel instead."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = a.shape
+    N = b.shape[1]
+    if b.shape[0] != K:
+        raise ValueError(f"gemm: a is {tuple(a.shape)} but b is {tuple(b.shape)}")
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    bias_t, stride_bias, has_bias = _epilogue_args(bias, activation, out)
+    a_t, b_t = a.stride(0) == 1 and a.stride(1) != 1, b.stride(0) == 1 and b.stride(1) != 1
+    av, bv = (a.t() if a_t else a), (b.t() if b_t else b)
+    if not (_tma_ready(av) and _tma_ready(bv) and _tma_ready(out)):
+        return gemm(a, b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, 1, out=out, bias=bias,
+                    activation=activation)
+    a_desc = TensorDescriptor.from_tensor(av, [BLOCK_K, BLOCK_M] if a_t else [BLOCK_M, BLOCK_K])
+    b_desc = TensorDescriptor.from_tensor(bv, [BLOCK_N, BLOCK_K] if b_t else [BLOCK_K, BLOCK_N])
+    c_desc = TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N])
+    sms = _num_sms(a.device)
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    _gemm_tma_persistent[(min(sms, tiles),)](
+        a_desc, b_desc, c_desc, bias_t, M, N, K, stride_bias,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, NUM_SMS=sms, A_T=a_t, B_T=b_t,
+        FLATTEN=FLATTEN, HAS_BIAS=has_bias, ACTIVATION=activation, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -170,3 +170,82 @@ def triton_splitk_decode(
     partials reduced by the last program of each N tile, then bias and activation in fp32."""
     return _kernels.splitk_decode(a, b, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, out=out,
                                   bias=bias, activation=activation)
+
+
+TMA_SPACE: dict[str, tuple] = {
+    # Persistent (one program per SM) with TMA tile loads: for large problems on sm_90, where
+    # the launch-per-tile kernel loses to cuBLAS on wave quantisation and address arithmetic.
+    "BLOCK_M": (128, 64),
+    "BLOCK_N": (256, 128, 64),
+    "BLOCK_K": (64, 128),
+    "GROUP_M": (8, 4, 16),
+    "num_warps": (8, 4),
+    "num_stages": (3, 4, 2, 5),
+    "FLATTEN": (True, False),
+}
+
+
+def _tma_supported() -> str | None:
+    """Why this process cannot run TMA kernels, or None (sm_90+, or Triton's interpreter)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "TMA needs a CUDA device"
+    if torch.cuda.get_device_capability() < (9, 0):
+        return f"TMA needs sm_90 or newer, not sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+    return None
+
+
+def check_tma(p: GemmProblem, c: Mapping[str, Any]) -> str | None:
+    """Why TMA configuration `c` is not worth compiling for `p`, or None."""
+    if p.dtype not in ITEMSIZE:
+        return f"dtype {p.dtype} is not supported"
+    size = ITEMSIZE[p.dtype]
+    # TMA describes row-major tiles with 16-byte aligned rows: of A (or A.T), B (or B.T) and C.
+    rows = {"A": p.M if p.trans_a else p.K, "B": p.K if p.trans_b else p.N, "C": p.N}
+    for name, row in rows.items():
+        if row * size % 16:
+            return f"rows of {name} are {row * size} bytes, not a multiple of the 16 TMA needs"
+    bm, bn, bk, warps = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]
+    for name, block, dim in (("BLOCK_M", bm, p.M), ("BLOCK_N", bn, p.N), ("BLOCK_K", bk, p.K)):
+        if block > pow2_at_least(dim):
+            return f"{name} {block} is larger than {name[-1]}={dim} needs"
+    if p.M <= DECODE_MAX_M:
+        return f"M={p.M} is a decode shape: the split-K decode kernel covers it"
+    smaller = [g for g in TMA_SPACE["GROUP_M"] if g < c["GROUP_M"]]
+    if smaller and _cdiv(p.M, bm) <= max(smaller):
+        return f"GROUP_M {c['GROUP_M']} orders {_cdiv(p.M, bm)} rows of tiles as GROUP_M {max(smaller)} does"
+    threads = 32 * warps
+    smem = (c["num_stages"] * (bm * bk + bk * bn) + bm * bn) * size  # + the tile C is stored from
+    if smem > SMEM_BUDGET:
+        return f"{c['num_stages']} stages of {bm}x{bk} and {bk}x{bn} tiles and a {bm}x{bn} output tile need {smem // 1024} KiB of shared memory (budget {SMEM_BUDGET // 1024} KiB)"
+    if bm * bn > MAX_ACC_REGS * threads:
+        return f"a {bm}x{bn} accumulator needs {bm * bn // threads} registers per thread with {warps} warps (at most {MAX_ACC_REGS})"
+    if not warpgroup_mma(bm, warps):
+        return f"BLOCK_M {bm} with {warps} warps is not warpgroup MMA, which the TMA kernel is for"
+    return _tma_supported()
+
+
+@register_triton("gemm", "triton_tma", space=TMA_SPACE, check=check_tma, priority=45)
+def triton_tma(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    BLOCK_M: int = 128,
+    BLOCK_N: int = 256,
+    BLOCK_K: int = 64,
+    GROUP_M: int = 8,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    FLATTEN: bool = True,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> torch.Tensor:
+    """C = A @ B through a persistent TMA kernel (sm_90+): one program per SM over grouped tiles."""
+    return _kernels.gemm_tma(a, b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN, out=out,
+                             bias=bias, activation=activation)

@@ -52,6 +52,33 @@ def triton_linear(
                          out=out, bias=bias, activation=activation)
 
 
+def check_tma(p: LinearProblem, c: Mapping[str, Any]) -> str | None:
+    if p.activation not in ACTIVATIONS:
+        return f"activation {p.activation} is not one of {', '.join(ACTIVATIONS)}"
+    return gemm_triton.check_tma(_as_gemm(p), c)
+
+
+@register_triton("linear", "triton_tma", space=gemm_triton.TMA_SPACE, check=check_tma, priority=45)
+def triton_linear_tma(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    *,
+    BLOCK_M: int = 128,
+    BLOCK_N: int = 256,
+    BLOCK_K: int = 64,
+    GROUP_M: int = 8,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    FLATTEN: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """activation(x @ weight.T + bias) through the persistent TMA gemm (sm_90+)."""
+    return _kernels.gemm_tma(x, weight.t(), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN,
+                             out=out, bias=bias, activation=activation)
+
+
 @register_triton("linear", "triton_splitk_decode", space=gemm_triton.DECODE_SPACE, check=check_decode, priority=40)
 def triton_linear_decode(
     x: torch.Tensor,
