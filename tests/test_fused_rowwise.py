@@ -242,6 +242,29 @@ def test_gradients_match_composite(case):
         assert relative_error(a, e) < 1e-5, case
 
 
+def test_gradient_of_one_output_and_export():
+    """Only the normed output (or only the residual) in the loss; torch.export keeps the custom operators."""
+    x, r, w = _t(3, 24, requires_grad=True), _t(3, 24, seed=1, requires_grad=True), _t(24, seed=2, requires_grad=True)
+    y, h = _fused.add_rms_norm(x, r, w, 1e-6)
+    y.sum().backward()
+    xc, rc, wc = (t.detach().double().requires_grad_() for t in (x, r, w))
+    F.rms_norm(xc + rc, (24,), wc, 1e-6).sum().backward()
+    assert relative_error(x.grad, xc.grad) < 1e-5 and relative_error(w.grad, wc.grad) < 1e-5
+    x.grad = w.grad = None
+    _, h = _fused.add_layer_norm(x, r, w)
+    (3 * h).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0)) and torch.equal(w.grad, torch.zeros_like(w))
+
+    class Block(torch.nn.Module):
+        def forward(self, x, r, w, gu):
+            y, h = _fused.add_rms_norm(x, r, w, 1e-6)
+            return y + h, _fused.swiglu(gu)
+
+    ep = torch.export.export(Block(), (x.detach(), r.detach(), w.detach(), _t(3, 16)))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"ops_adv.add_rms_norm.default", "ops_adv.swiglu.default"} <= targets
+
+
 def test_gradcheck_custom_op_formula():
     """torch.autograd.gradcheck of the backward formulas in float64 (the operators' own autograd, called directly)."""
     x, r, w = _t(2, 6, dtype=torch.float64, requires_grad=True), _t(2, 6, dtype=torch.float64, seed=1, requires_grad=True), \
