@@ -55,9 +55,13 @@ def _rowwise_sweep(rows: int) -> list[dict]:
     base = dict(BLOCK_N=0, ROWS_PER_PROGRAM=1, PROGRAMS_PER_SM=0, num_warps=8, num_stages=1)
     out = [base, {**base, "num_warps": 4}, {**base, "num_warps": 16}]
     if rows >= 64:
-        out += [{**base, "ROWS_PER_PROGRAM": 2}, {**base, "ROWS_PER_PROGRAM": 4, "num_warps": 16},
+        # several rows a program put more loads in flight before the reductions; persistent programs
+        # pipeline the next tile's loads (the H200 norm sweep of 2026-12-02 picked from these)
+        out += [{**base, "ROWS_PER_PROGRAM": 2}, {**base, "ROWS_PER_PROGRAM": 2, "num_warps": 4},
+                {**base, "ROWS_PER_PROGRAM": 4, "num_warps": 16},
                 {**base, "PROGRAMS_PER_SM": 4, "num_warps": 8, "num_stages": 2},
-                {**base, "PROGRAMS_PER_SM": 2, "num_warps": 16, "num_stages": 2}]
+                {**base, "PROGRAMS_PER_SM": 2, "num_warps": 16, "num_stages": 2},
+                {**base, "PROGRAMS_PER_SM": 8, "num_warps": 4, "num_stages": 3}]
     else:
         out += [{**base, "BLOCK_N": 1024, "num_warps": 4}, {**base, "num_warps": 2}]
     return out

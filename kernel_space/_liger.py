@@ -1,11 +1,13 @@
 """Liger-Kernel's kernels as library candidates: thin adapters onto its public autograd Functions.
 
 Each is registered with `requires=("liger_kernel",)` and the CUDA backend only, so a machine
-without the library (or without a GPU) lists it with the reason instead of failing. Nothing is
-imported from liger_kernel until a candidate first runs: `import kernel_space` stays light.
+without the library (or without a GPU) lists it with the reason instead of failing; its check
+(`needs_attr`) imports the Liger module when a CUDA problem is first considered, so a release
+lacking the kernel, or one that fails to import against this torch/Triton, is a reason as well.
+`import kernel_space` imports nothing of liger_kernel.
 
-`register_liger(op, name)` and `liger_attr(module, attr)` are the helpers other op packages
-(rope, ...) use to add their own Liger candidates.
+Other op packages (rope, ...) add their Liger candidates with the same helpers:
+`register_liger(op, name, check=needs_attr(module, attr))` and `liger_attr(module, attr)`.
 """
 from __future__ import annotations
 
@@ -35,11 +37,25 @@ def liger_attr(module: str, attr: str) -> Any:
     return found
 
 
+_missing: dict[tuple[str, str], str | None] = {}
+
+
+def missing(module: str, attr: str) -> str | None:
+    """Why `liger_kernel.<module>.<attr>` cannot be used here (a failing import, an older release), or None."""
+    key = (module, attr)
+    if key not in _missing:
+        try:
+            mod = importlib.import_module(f"liger_kernel.{module}")
+        except Exception as e:  # an install broken against this torch/triton is a reason, not a crash
+            _missing[key] = f"liger_kernel.{module} fails to import ({type(e).__name__})"
+        else:
+            _missing[key] = None if getattr(mod, attr, None) is not None else \
+                f"liger-kernel {liger_version()} has no {module}.{attr}"
+    return _missing[key]
+
+
 def has_liger_attr(module: str, attr: str) -> bool:
-    try:
-        return getattr(importlib.import_module(f"liger_kernel.{module}"), attr, None) is not None
-    except ImportError:
-        return False
+    return missing(module, attr) is None
 
 
 def liger_version() -> str:
@@ -52,18 +68,20 @@ def liger_version() -> str:
 
 
 def needs_attr(module: str, attr: str, then: Check | None = None) -> Check:
-    """A check refusing every problem when the installed liger-kernel lacks `module.attr`."""
+    """A check refusing every problem when `liger_kernel.<module>.<attr>` is unusable here, then `then`'s verdict."""
 
     def check(problem: Any, params: Any) -> str | None:
-        if not has_liger_attr(module, attr):
-            return f"liger-kernel {liger_version()} has no {module}.{attr}"
-        return then(problem, params) if then is not None else None
+        why = missing(module, attr)
+        if why is None and then is not None:
+            return then(problem, params)
+        return why
 
     return check
 
 
 def register_liger(op: str, name: str, *, check: Check | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a Liger-Kernel candidate of `op`: a library vendor kernel, CUDA only."""
+    """Register a Liger-Kernel candidate of `op`: a library vendor kernel, CUDA only. Give it a `check` made
+    with `needs_attr` so that a release lacking the kernel, or failing to import, is a reason and not a crash."""
     return register_impl(op, name=name, priority=PRIORITY, backends=("cuda",), vendor=True, check=check,
                          requires=("liger_kernel",))
 
@@ -99,8 +117,9 @@ def register_norms() -> None:
     """Liger candidates of the plain norms (their packages are imported here: they do not import this module)."""
     from . import layer_norm as _ln, rms_norm as _rn  # noqa: F401  (their ops must exist first)
 
-    register_liger("rms_norm", "liger_rms_norm")(rms_norm)
-    register_liger("layer_norm", "liger_layer_norm")(layer_norm)
+    register_liger("rms_norm", "liger_rms_norm", check=needs_attr("ops.rms_norm", "LigerRMSNormFunction"))(rms_norm)
+    register_liger("layer_norm", "liger_layer_norm",
+                   check=needs_attr("ops.layer_norm", "LigerLayerNormFunction"))(layer_norm)
 
 
 register_norms()

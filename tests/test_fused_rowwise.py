@@ -335,6 +335,10 @@ def test_liger_imports_when_installed():
     assert _liger.liger_version() != "none"
     assert _liger.has_liger_attr("ops.swiglu", "LigerSiLUMulFunction")
     assert not _liger.has_liger_attr("ops.swiglu", "NoSuchThing")
+    assert "has no ops.swiglu.NoSuchThing" in _liger.missing("ops.swiglu", "NoSuchThing")
+    assert "fails to import (ModuleNotFoundError)" in _liger.missing("ops.no_such_module", "X")
+    check = _liger.needs_attr("ops.no_such_module", "X", then=lambda p, c: "never asked")
+    assert "fails to import" in check(None, {})
     with pytest.raises(ks.OpsAdvError, match="upgrade liger-kernel"):
         _liger.liger_attr("ops.swiglu", "NoSuchThing")
 

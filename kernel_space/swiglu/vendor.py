@@ -14,10 +14,9 @@ def torch_swiglu(gate, up=None):
     return F.silu(g) * u
 
 
-def _merged_needs_fused(p, params):
-    if p.merged:
-        return _liger.needs_attr("ops.swiglu", "LigerFusedGateUpSiLUMulFunction")(p, params)
-    return None
+def _liger_check(p, params):
+    # the merged layout needs LigerFusedGateUpSiLUMulFunction (a newer release than the two-tensor kernel)
+    return _liger.missing("ops.swiglu", "LigerFusedGateUpSiLUMulFunction" if p.merged else "LigerSiLUMulFunction")
 
 
-_liger.register_liger("swiglu", "liger_swiglu", check=_merged_needs_fused)(_liger.swiglu)
+_liger.register_liger("swiglu", "liger_swiglu", check=_liger_check)(_liger.swiglu)
