@@ -13,29 +13,32 @@ from .vendor import split_out
 
 @triton.jit
 def _rotate_heads(X, Y, row_x, row_y, tmask, h0, H, sxh, syh, d, dmask, c, s,
-                  HALF, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate heads h0 .. h0 + BLOCK_H of X's token rows into Y (which may be X: both halves load first)."""
+                  HALF, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    """Rotate heads h0 .. h0 + BLOCK_H of X's token rows into Y (which may be X: everything loads first)."""
     h = h0 + tl.arange(0, BLOCK_H)
-    m = tmask[:, None, None] & (h < H)[None, :, None] & dmask[None, None, :]
-    if INTERLEAVED:
-        i1 = 2 * d
-        i2 = 2 * d + 1
-    else:
-        i1 = d
-        i2 = d + HALF
+    hm = tmask[:, None, None] & (h < H)[None, :, None]
     px = X + row_x[:, None, None] + (h * sxh)[None, :, None]
-    x1 = tl.load(px + i1[None, None, :], mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(px + i2[None, None, :], mask=m, other=0.0).to(tl.float32)
-    y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
     py = Y + row_y[:, None, None] + (h * syh)[None, :, None]
-    tl.store(py + i1[None, None, :], y1.to(Y.dtype.element_ty), mask=m)
-    tl.store(py + i2[None, None, :], y2.to(Y.dtype.element_ty), mask=m)
+    if INTERLEAVED:
+        # The whole row in one contiguous (vectorised) load, then pairs (2i, 2i+1) split in registers.
+        j = tl.arange(0, 2 * BLOCK_HALF)
+        m = hm & (j < 2 * HALF)[None, None, :]
+        x = tl.load(px + j[None, None, :], mask=m, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_HALF, 2)))
+        y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+        tl.store(py + j[None, None, :], tl.reshape(y, (BLOCK_T, BLOCK_H, 2 * BLOCK_HALF)).to(Y.dtype.element_ty), mask=m)
+    else:
+        m = hm & dmask[None, None, :]
+        x1 = tl.load(px + d[None, None, :], mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(px + (d + HALF)[None, None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(py + d[None, None, :], (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=m)
+        tl.store(py + (d + HALF)[None, None, :], (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def rope_kernel(Q, K, QO, KO, COS, SIN, POS, T, S, Hq, Hkv, HALF,
-                sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, spb_, sps_, sph,
+                sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, skob, skos, skoh,
                 scb, scs, scd, spb, sps,
                 INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, SPLIT_HEADS: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -56,20 +59,21 @@ def rope_kernel(Q, K, QO, KO, COS, SIN, POS, T, S, Hq, Hkv, HALF,
     c = tl.load(COS + cp, mask=cm, other=0.0).to(tl.float32)[:, None, :]
     s = tl.load(SIN + cp, mask=cm, other=0.0).to(tl.float32)[:, None, :]
     rq, rqo = b * sqb + s_ * sqs, b * sob + s_ * sos
-    rk, rko = b * skb + s_ * sks, b * spb_ + s_ * sps_
+    rk, rko = b * skb + s_ * sks, b * skob + s_ * skos
     if SPLIT_HEADS:
         g = tl.program_id(1)
         nq = tl.cdiv(Hq, BLOCK_H)
         if g < nq:
-            _rotate_heads(Q, QO, rq, rqo, tmask, g * BLOCK_H, Hq, sqh, soh, d, dmask, c, s, HALF, INTERLEAVED, BLOCK_H)
+            _rotate_heads(Q, QO, rq, rqo, tmask, g * BLOCK_H, Hq, sqh, soh, d, dmask, c, s, HALF, INTERLEAVED,
+                          BLOCK_T, BLOCK_H, BLOCK_HALF)
         else:
-            _rotate_heads(K, KO, rk, rko, tmask, (g - nq) * BLOCK_H, Hkv, skh, sph, d, dmask, c, s, HALF, INTERLEAVED,
-                          BLOCK_H)
+            _rotate_heads(K, KO, rk, rko, tmask, (g - nq) * BLOCK_H, Hkv, skh, skoh, d, dmask, c, s, HALF,
+                          INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF)
     else:
         for h0 in range(0, Hq, BLOCK_H):
-            _rotate_heads(Q, QO, rq, rqo, tmask, h0, Hq, sqh, soh, d, dmask, c, s, HALF, INTERLEAVED, BLOCK_H)
+            _rotate_heads(Q, QO, rq, rqo, tmask, h0, Hq, sqh, soh, d, dmask, c, s, HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF)
         for h0 in range(0, Hkv, BLOCK_H):
-            _rotate_heads(K, KO, rk, rko, tmask, h0, Hkv, skh, sph, d, dmask, c, s, HALF, INTERLEAVED, BLOCK_H)
+            _rotate_heads(K, KO, rk, rko, tmask, h0, Hkv, skh, skoh, d, dmask, c, s, HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF)
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
