@@ -164,7 +164,9 @@ def bench_one(torch, dev, dtype, model: str, T: int, Hq: int, Hkv: int, D: int, 
     if dev.type == "cuda":
         import torch._dynamo
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        for knob in ("recompile_limit", "cache_size_limit"):  # one compiled graph per shape
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
         compiled_fn = torch.compile(lambda q, k, c, s: (composite(q, c, s, False), composite(k, c, s, False)), dynamic=False)
 
     def ours_fn(cfg, inplace=False):
@@ -195,7 +197,10 @@ def bench_one(torch, dev, dtype, model: str, T: int, Hq: int, Hkv: int, D: int, 
         if not err < 2e-2:
             swept.append({"config": c, "error": err})
             continue
-        swept.append({"config": c, "ms": timer(ours_fn(c)), "rel_error": err})
+        try:
+            swept.append({"config": c, "ms": timer(ours_fn(c)), "rel_error": err})
+        except Exception as e:
+            swept.append({"config": c, "error": f"{type(e).__name__}: {str(e)[:200]}"})
     good = [s for s in swept if "ms" in s]
     best = min(good, key=lambda s: s["ms"])["config"]
     row["sweep"] = swept
@@ -217,8 +222,12 @@ def bench_one(torch, dev, dtype, model: str, T: int, Hq: int, Hkv: int, D: int, 
         row["liger_error"] = f"{type(e).__name__}: {str(e)[:120]}"
     per = {n: [] for n in cands}
     for _ in range(rounds if dev.type == "cuda" else 1):
-        for n, fn in cands.items():
-            per[n].append(timer(fn))
+        for n, fn in list(cands.items()):
+            try:
+                per[n].append(timer(fn))
+            except Exception as e:  # a candidate that cannot be timed (e.g. not capturable) is recorded, not fatal
+                row[f"{n}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                del cands[n], per[n]
     ms = {n: statistics.median(v) for n, v in per.items()}
     row["ms"] = ms
     if use_graph:  # bandwidth from L2-flushed launches, as for the larger problems
