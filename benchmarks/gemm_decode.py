@@ -49,8 +49,8 @@ WEIGHTS = [  # (model, layer, N, K)
 ]
 MS = (1, 4, 8, 16, 32, 64)
 # Decode sweep: (BLOCK_N, BLOCK_K, num_stages, num_warps); SPLIT_K is chosen per problem so the
-# grid covers the 132 SMs one to eight times.
-DECODE_BASES = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 3, 4), (32, 128, 6, 4)]
+# grid covers the 132 SMs one to four times.
+DECODE_BASES = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 3, 4)]
 TILED_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3),
     (128, 256, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3),
@@ -58,7 +58,8 @@ TILED_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
 TMA_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (persistent TMA kernel)
     (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3),
 ]
-L2_FLUSH_BYTES = 200 << 20  # rotate over this much weight memory: 4x the H200's 50 MiB L2
+L2_FLUSH_BYTES = 200 << 20
+T0 = time.perf_counter()  # rotate over this much weight memory: 4x the H200's 50 MiB L2
 
 
 def log(*a: Any) -> None:
@@ -151,13 +152,15 @@ def decode_configs(check, problem, quick: bool) -> list[dict]:
         if quick:
             bn, bk = min(bn, 32), 32
         tiles = -(-problem.N // bn)
-        splits = [1] + [s for s in (2, 4, 8, 16) if 132 <= tiles * s <= 8 * 132]
+        splits = [1] + [s for s in (2, 4, 8, 16) if 132 <= tiles * s <= 4 * 132]
         if quick:
             splits = [1, 2]
         for s in splits:
-            c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": warps, "num_stages": stages}
-            if check(problem, c) is None and c not in out:
-                out.append(c)
+            # the atomic reduction for the first two bases only (the sweep stays small)
+            for reduce in ("partials", "atomic") if s > 1 and (bn, bk, stages, warps) in bases[:2] else ("partials",):
+                c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+                if check(problem, c) is None and c not in out:
+                    out.append(c)
     return out
 
 
@@ -170,6 +173,9 @@ def bench_decode(args, torch, dev, timer: Timer, bw: float, rows: list[dict]) ->
     weights = WEIGHTS if not args.quick else [("tiny", "w", 96, 256), ("tiny", "odd", 50, 200)]
     ms = MS if not args.quick else (1, 4)
     for model, layer, N, K in weights:
+        if time.perf_counter() - T0 > args.deadline_s * 0.6:
+            log(f"decode {model} {layer}: skipped, past 60% of --deadline-s {args.deadline_s:.0f}")
+            continue
         w_bytes = N * K * 2
         copies = max(2, math.ceil(L2_FLUSH_BYTES / w_bytes)) if dev.type == "cuda" else 2
         ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
@@ -202,7 +208,7 @@ def bench_decode(args, torch, dev, timer: Timer, bw: float, rows: list[dict]) ->
             log(f"decode {model:10} {layer:9} M={M:<3} N={N:<6} K={K:<5} cuBLAS {row['cublas_us']:7.1f} us "
                 f"({row['cublas_bw_frac']:4.0%} bw)  triton {row['triton_us']:7.1f} us ({row['triton_bw_frac']:4.0%} bw)  "
                 f"{ratio:5.2f}x (target {need}) {'ok ' if row['meets'] else 'MISS'}  err {err:.1e}  "
-                f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} S{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']}")
+                f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} S{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']} {cfg['REDUCE']}")
         del ws
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -269,6 +275,9 @@ def bench_tiled(args, torch, dev, timer: Timer, rows: list[dict]) -> None:
     shapes = [(4096, 4096, 4096), (3000, 5000, 1000), (4096, 128256, 4096)] if dev.type == "cuda" else [(80, 48, 40)]
     dt, code = (torch.bfloat16, "bf16") if dev.type == "cuda" else (torch.float16, "fp16")
     for M, N, Kd in shapes:
+        if time.perf_counter() - T0 > args.deadline_s * 0.85:
+            log(f"tiled {M}x{N}x{Kd}: skipped, past 85% of --deadline-s {args.deadline_s:.0f}")
+            continue
         p = GemmProblem(M, N, Kd, code)
         a = torch.randn(M, Kd, device=dev, dtype=dt)
         b = torch.randn(Kd, N, device=dev, dtype=dt)
@@ -325,6 +334,9 @@ def bench_linear(args, torch, dev, timer: Timer, rows: list[dict]) -> None:
         (4096, 4096, 4096, True, "relu"),
     ] if dev.type == "cuda" else [(2, 64, 96, True, "silu"), (80, 48, 32, True, "gelu")]
     for M, N, Kd, has_bias, act in cases:
+        if time.perf_counter() - T0 > args.deadline_s:
+            log(f"linear M={M} N={N} K={Kd}: skipped, past --deadline-s {args.deadline_s:.0f}")
+            continue
         p = LinearProblem(M, N, Kd, has_bias, act, code)
         decode = M <= 64
         impl = get_impl("linear", "triton_splitk_decode" if decode else "triton")
@@ -376,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="tiny problems (smoke test)")
     ap.add_argument("--sections", default="decode,probe,tiled,linear")
+    ap.add_argument("--deadline-s", type=float, default=300.0,
+                    help="skip remaining problems past this (decode stops at 60%%, tiled at 85%%)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
@@ -387,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     dev = torch.device(args.device)
     timer = Timer(dev, reps=20 if dev.type == "cuda" else 1, rounds=7 if dev.type == "cuda" else 1)
-    t0 = time.perf_counter()
+    t0 = T0
     bw = copy_bandwidth(torch, dev)
     info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "copy_bandwidth_TBps": bw / 1e12, "l2_flush": f"weights rotate over >= {L2_FLUSH_BYTES >> 20} MiB of copies (decode)",

@@ -58,14 +58,26 @@ def _decode(problem: GemmProblem, params: dict, calls: int = 1) -> None:
         (3, 24, 40, {"SPLIT_K": 2, "BLOCK_K": 16}),  # strides and N multiples of 8, not 16: the hinted path
     ],
 )
-def test_decode_matches_reference(dtype, M, N, K, params, poisoned_workspace):
-    _decode(GemmProblem(M, N, K, dtype, False, True), {**DECODE, **params}, calls=2)
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+def test_decode_matches_reference(dtype, M, N, K, params, reduce, poisoned_workspace):
+    if reduce == "atomic" and params.get("SPLIT_K", 1) == 1:
+        pytest.skip("one split: nothing to reduce")
+    _decode(GemmProblem(M, N, K, dtype, False, True), {**DECODE, **params, "REDUCE": reduce}, calls=2)
 
 
-def test_decode_not_transposed_and_counters_reset(poisoned_workspace):
-    _decode(GemmProblem(4, 50, 64, "fp32", False, False), {**DECODE, "SPLIT_K": 2}, calls=3)
-    for cnt in poisoned_workspace._counters.values():
-        assert int(cnt.abs().sum()) == 0  # the last program of each tile reset its counter
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+def test_decode_not_transposed_and_buffers_left_zero(reduce, poisoned_workspace):
+    _decode(GemmProblem(4, 50, 64, "fp32", False, False), {**DECODE, "SPLIT_K": 2, "REDUCE": reduce}, calls=3)
+    assert poisoned_workspace._zeroed
+    for buf in poisoned_workspace._zeroed.values():
+        assert float(buf.abs().sum()) == 0  # counters and the atomic accumulator were reset by the last program
+
+
+def test_decode_partials_are_reproducible():
+    impl = get_impl("gemm", "triton_splitk_decode")
+    (a, b), _ = get_op("gemm").make_inputs(GemmProblem(3, 40, 256, "fp32", False, True), DEVICE, seed=3)
+    f = impl.bind({**DECODE, "SPLIT_K": 8})
+    assert torch.equal(f(a, b), f(a, b))
 
 
 def test_decode_allocates_output():
@@ -85,6 +97,7 @@ def test_decode_allocates_output():
         (GemmProblem(1, 128256, 4096, "bf16", False, True), {"BLOCK_N": 64, "SPLIT_K": 2}, "fill the GPU"),
         (GemmProblem(1, 8, 4096, "bf16", False, True), {"BLOCK_N": 64}, "BLOCK_N 64 is larger"),
         (GemmProblem(64, 4096, 4096, "fp32", False, True), {"BLOCK_N": 128, "BLOCK_K": 512, "num_stages": 6}, "shared memory"),
+        (GemmProblem(8, 4096, 4096, "bf16", False, True), {"SPLIT_K": 1, "REDUCE": "atomic"}, "does nothing"),
     ],
 )
 def test_decode_check_refuses_with_a_reason(problem, params, reason):
@@ -134,6 +147,7 @@ def test_epilogue_in_both_kernels(dtype, activation, has_bias, poisoned_workspac
         "tiled split-K": tiled(x, w.t(), **{**small, "SPLIT_K": 2}, bias=b, activation=activation),
         "decode": decode(x, w.t(), **{**DECODE, "SPLIT_K": 1}, bias=b, activation=activation),
         "decode split-K": decode(x, w.t(), **{**DECODE, "SPLIT_K": 2}, bias=b, activation=activation),
+        "decode atomic": decode(x, w.t(), **{**DECODE, "SPLIT_K": 2, "REDUCE": "atomic"}, bias=b, activation=activation),
     }
     for name, out in outs.items():
         assert relative_error(out, ref) <= tol, f"{name} {activation} bias={has_bias}: {relative_error(out, ref):.3g}"

@@ -109,6 +109,8 @@ DECODE_SPACE: dict[str, tuple] = {
     "SPLIT_K": (4, 1, 2, 8, 16),
     "num_warps": (4, 2, 8),
     "num_stages": (4, 2, 3, 5, 6),
+    # How splits meet: fp32 partials summed by the last split (reproducible), or fp32 atomics.
+    "REDUCE": ("partials", "atomic"),
 }
 DECODE_MAX_M = 64
 # N tiles from which SPLIT_K > 1 only adds partial-sum traffic: 8 waves of an H200's 132 SMs.
@@ -135,6 +137,8 @@ def check_decode(p: GemmProblem, c: Mapping[str, Any]) -> str | None:
     if split > k_tiles:
         return f"SPLIT_K {split} leaves some splits without a K tile (K={p.K} is {k_tiles} tiles of {bk})"
     tiles = _cdiv(p.N, bn)
+    if split == 1 and c["REDUCE"] != DECODE_SPACE["REDUCE"][0]:
+        return f"REDUCE {c['REDUCE']} does nothing without SPLIT_K (same kernel as REDUCE {DECODE_SPACE['REDUCE'][0]})"
     if split > 1 and tiles >= DECODE_SPLIT_TILES:
         return f"{tiles} N tiles fill the GPU without SPLIT_K {split}, which would only add partial sums"
     bm = decode_block_m(p.M)
@@ -162,13 +166,14 @@ def triton_splitk_decode(
     SPLIT_K: int = 4,
     num_warps: int = 4,
     num_stages: int = 4,
+    REDUCE: str = "partials",
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     activation: str = "none",
 ) -> torch.Tensor:
     """C = A @ B for M <= 64 (decode; B is usually a Linear weight's W.T) in one launch: split-K
     partials reduced by the last program of each N tile, then bias and activation in fp32."""
-    return _kernels.splitk_decode(a, b, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, out=out,
+    return _kernels.splitk_decode(a, b, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, REDUCE, out=out,
                                   bias=bias, activation=activation)
 
 

@@ -91,8 +91,9 @@ def triton_linear_decode(
     SPLIT_K: int = 4,
     num_warps: int = 4,
     num_stages: int = 4,
+    REDUCE: str = "partials",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """activation(x @ weight.T + bias) for x of at most 64 rows, through the split-K decode kernel."""
-    return _kernels.splitk_decode(x, weight.t(), BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages,
+    return _kernels.splitk_decode(x, weight.t(), BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, REDUCE,
                                   out=out, bias=bias, activation=activation)
