@@ -7,14 +7,17 @@ and ReLU where one follows the BN directly). Candidates, side by side:
 - eager:     conv -> BatchNorm2d (eval) -> ReLU(inplace) modules, unfolded: what the model does today;
 - cudnn:     our vendor candidate in the caller's layout: F.conv2d with the folded weight and bias, relu_;
 - cudnn_oth: the same in the other layout, the conversion of x and weight timed with it;
+- fused:     torch.cudnn_convolution_relu (cuDNN's conv + bias + ReLU in one call), layers with a ReLU;
 - triton:    our implicit-GEMM kernel with the bias + ReLU epilogue, best of a small sweep (caller's layout);
 - compile:   torch.compile of the eager trio (default mode, dynamic=False).
 Every candidate is captured in a torch.cuda.CUDAGraph (the small layers are launch-bound at batch 32:
 graphs time the GPU work, not Python), the L2 is flushed before each repetition, and candidates run in
 interleaved rounds (median of medians). Speed-ups are eager time / candidate time.
 
-Whole model: ResNet-50 inference at --batch, eager vs fuse_conv_bn_relu-converted (default dispatch:
-no tuned table), NCHW and channels_last, launched from Python and under a CUDA graph.
+Whole model: ResNet-50 inference at --batch, eager vs fuse_conv_bn_relu-converted, NCHW and
+channels_last: launched from Python ("eager", "fused": default dispatch, no tuned table) and under a
+CUDA graph ("eager+graph", "fused+graph", and "best+graph": each layer dispatched to the candidate
+this run measured fastest for it, as a tuned table would). Speed-ups: graph against graph.
 
     python benchmarks/conv_bn_relu.py --out results/conv_bn_relu.json         # the H200 run
     python benchmarks/conv_bn_relu.py --device cpu --quick --out /tmp/cbr.json   # smoke test
@@ -45,9 +48,10 @@ from workers.timing import interleaved, time_fn  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried per layer; the check drops what a shape cannot use.
+# Kept small: each (layer, config) is a fresh Triton compile (~1 s), the bulk of the run's time.
 SWEEP = {
-    "nhwc": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (64, 64, 64, 4, 3), (128, 64, 16, 4, 3)],
-    "nchw": [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 3), (128, 64, 64, 8, 3), (128, 64, 16, 4, 3)],
+    "nhwc": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 64, 4, 3), (128, 64, 16, 4, 3)],
+    "nchw": [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 3), (128, 64, 16, 4, 3)],
 }
 T0 = time.perf_counter()
 
@@ -128,12 +132,26 @@ def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
         "cudnn": lambda: get_impl("conv2d_bn_relu", f"cudnn_{layout}").fn(x, w, b, **attrs),
         "cudnn_oth": lambda: get_impl("conv2d_bn_relu", other).fn(x, w, b, **attrs),
     }
+    if device.type == "cuda" and L["relu"]:  # cuDNN's fused conv + bias + ReLU, where the layer has a ReLU
+        fused_fn = get_impl("conv2d_bn_relu", f"cudnn_fused_{layout}").fn
+        try:
+            row_err = relative_error(fused_fn(x, w, b, **attrs), spec.reference(x, w, b, **attrs))
+            if row_err <= spec.tolerance(args.dtype):
+                cands["cudnn_fused"] = lambda: fused_fn(x, w, b, **attrs)
+            else:
+                log(f"  cudnn_fused wrong: {row_err:.2e}")
+        except Exception as e:  # not every cuDNN build has an engine for this graph
+            log(f"  cudnn_fused failed: {type(e).__name__}: {str(e)[:100]}")
     row: dict[str, Any] = {"layer": L, "layout": layout, "problem": problem._asdict()}
     ref = spec.reference(x, w, b, **attrs)
+    late = time.perf_counter() - T0 > args.deadline_s  # past it: one Triton config, no torch.compile
+    row["late"] = late
     if device.type == "cuda":
         impl = get_impl("conv2d_bn_relu", "triton_implicit_gemm")
         best, best_ms = None, float("inf")
         for bm, bn_, bk, warps, stages in SWEEP[layout]:
+            if late and best is not None:
+                break
             params = dict(layout=layout, BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk, num_warps=warps, num_stages=stages)
             if impl.check(problem, params) is not None:
                 continue
@@ -154,7 +172,8 @@ def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
             cands["triton"] = lambda: fn_best(x, w, b, **attrs)
             row["triton_params"] = best
             row["triton_err"] = relative_error(fn_best(x, w, b, **attrs), ref)
-    if args.compile:
+    if args.compile and not late:
+        torch._dynamo.reset()  # one compile per layer; the same code object would hit the recompile limit
         comp = torch.compile(eager, dynamic=False)
         with torch.no_grad():
             comp()
@@ -170,7 +189,30 @@ def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
     return row
 
 
-def bench_model(layout: str, args, device: torch.device) -> dict:
+def winners(rows: list[dict]) -> dict[tuple, tuple[str, dict]]:
+    """Per layer problem, the fastest of our candidates this run measured: (implementation, params)."""
+    names = {"cudnn": lambda r: f"cudnn_{r['layout']}", "cudnn_oth": lambda r: "cudnn_" + ("nchw" if r["layout"] == "nhwc" else "nhwc"),
+             "cudnn_fused": lambda r: f"cudnn_fused_{r['layout']}", "triton": lambda r: "triton_implicit_gemm"}
+    out = {}
+    for r in rows:
+        k = min((k for k in r["ms"] if k in names), key=lambda k: r["ms"][k])
+        out[tuple(r["problem"].values())] = (names[k](r), r.get("triton_params", {}) if k == "triton" else {})
+    return out
+
+
+def use_table(table: dict[tuple, tuple[str, dict]], device: torch.device) -> None:
+    """Make dispatch see `table` as if tuned (an in-memory stand-in for an exported table; caches emptied)."""
+    from ops_adv import _dispatch
+
+    _dispatch.load_table("")
+    ours = _dispatch._tuned.setdefault(_dispatch._device_class(device), {}).setdefault("conv2d_bn_relu", {})
+    for problem, (impl, params) in table.items():
+        ours[problem] = {"op": "conv2d_bn_relu", "impl": impl, "params": params}
+    for c in _dispatch._caches.values():
+        c.clear()
+
+
+def bench_model(layout: str, args, device: torch.device, table: dict) -> dict:
     import torchvision
 
     dtype = DTYPES[args.dtype]
@@ -193,12 +235,20 @@ def bench_model(layout: str, args, device: torch.device) -> dict:
         if device.type == "cuda" and args.graphs:
             fns["eager+graph"] = graphed(fns["eager"], device, True)
             fns["fused+graph"] = graphed(fns["fused"], device, True)
+        # A graph freezes each call's kernel: capture again with this run's per-layer winners dispatched.
+        use_table(table, device)
+        best_err = relative_error(fused(x).float(), want)
+        if device.type == "cuda" and args.graphs:
+            fns["best+graph"] = graphed(fns["fused"], device, True)
+        use_table({}, device)
         t = interleaved(fns, device=device, rounds=args.rounds, reps=args.reps, budget_s=1.0)
     ms = {k: v.median_ms for k, v in t.items()}
+    speedup = {"fused": ms["eager"] / ms["fused"]}
+    for k in ("fused+graph", "best+graph"):
+        if k in ms:
+            speedup[k] = ms["eager+graph"] / ms[k]
     return {"layout": layout, "fused_sites": sum(r["converted"] == "yes" for r in report), "rel_err": err,
-            "top1_agree": top1, "ms": ms, "speedup": {"fused": ms["eager"] / ms["fused"],
-                                                     **({"fused+graph": ms["eager+graph"] / ms["fused+graph"]}
-                                                        if "fused+graph" in ms else {})}}
+            "best_rel_err": best_err, "top1_agree": top1, "ms": ms, "speedup": speedup}
 
 
 def main() -> None:
@@ -209,8 +259,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--res", type=int, default=224)
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--deadline-s", type=float, default=170.0,
+                    help="after this many seconds, layers get one Triton config and no torch.compile (keeps the run < 4 min)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile column")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time Python launches, not graphs")
     ap.add_argument("--no-model", dest="model", action="store_false", help="skip the whole-model runs")
@@ -229,7 +281,7 @@ def main() -> None:
     log(f"{len(layers)} distinct conv layers of ResNet-50 at {args.res}x{args.res}, batch {args.batch}, {args.dtype}")
     rows = []
     head = f"{'layer (C,HxW,K,RxR,s,relu) x count':40} {'lay':4} {'eager ms':>9}  " \
-           f"{'cudnn':>6} {'oth':>6} {'triton':>6} {'compile':>7}   (speed-up over eager)"
+           f"{'cudnn':>6} {'oth':>6} {'fused':>6} {'triton':>6} {'compile':>7}   (speed-up over eager)"
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                            "torch": torch.__version__, "batch": args.batch, "res": args.res, "dtype": args.dtype,
                            "graphs": args.graphs, "l2_flushed": True, "layers": rows, "model": []}
@@ -243,18 +295,22 @@ def main() -> None:
             name = f"{L['C']},{L['H']}x{L['W']},{L['K']},{L['R']}x{L['R']},s{L['stride']},{'relu' if L['relu'] else '-'} x{L['count']}"
             line = f"{name:40} {layout:4} {row['ms']['eager']:9.4f}  " + " ".join(
                 f"{s[k]:{w}.2f}" if k in s else f"{'-':>{w}}" for k, w in (("cudnn", 6), ("cudnn_oth", 6),
-                                                                         ("triton", 6), ("compile", 7)))
+                                                                         ("cudnn_fused", 6), ("triton", 6), ("compile", 7)))
             lines.append(line)
             log(line)
             Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     for layout in ("nchw", "nhwc"):
         # count-weighted totals: the time of all ResNet-50 convs + BN + ReLU, each candidate alone
         sel = [r for r in rows if r["layout"] == layout]
-        tot = {k: sum(r["ms"].get(k, r["ms"]["eager"]) * r["layer"]["count"] for r in sel) for k in sel[0]["ms"]}
-        best = sum(min(r["ms"][k] for k in r["ms"] if k in ("cudnn", "cudnn_oth", "triton")) * r["layer"]["count"]
+        keys = list(dict.fromkeys(k for r in sel for k in r["ms"]))
+        # A layer without a candidate counts what would run there: cuDNN's plain conv for cudnn_fused
+        # (layers without a ReLU), eager for triton/compile (skipped past the deadline).
+        tot = {k: sum(r["ms"].get(k, r["ms"]["cudnn" if k == "cudnn_fused" else "eager"]) * r["layer"]["count"]
+                      for r in sel) for k in keys}
+        best = sum(min(r["ms"][k] for k in r["ms"] if k in ("cudnn", "cudnn_oth", "cudnn_fused", "triton")) * r["layer"]["count"]
                    for r in sel)
         geo = {k: statistics.geometric_mean([r["speedup"][k] for r in sel if k in r["speedup"]])
-               for k in sel[0]["speedup"]}
+               for k in keys if k != "eager"}
         summary = {"layout": layout, "total_ms": tot, "best_of_ours_ms": best,
                    "total_speedup": {k: tot["eager"] / v for k, v in tot.items() if k != "eager"},
                    "best_of_ours_speedup": tot["eager"] / best, "geomean_speedup": geo,
@@ -269,7 +325,7 @@ def main() -> None:
         log(line)
     if args.model:
         for layout in ("nchw", "nhwc"):
-            r = bench_model(layout, args, device)
+            r = bench_model(layout, args, device, winners([r for r in rows if r["layout"] == layout]))
             out["model"].append(r)
             line = (f"ResNet-50 {layout} batch {args.batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in r["ms"].items())
                     + "; speed-up " + ", ".join(f"{k} {v:.2f}x" for k, v in r["speedup"].items())

@@ -151,6 +151,8 @@ def _site(name: str, why: str, fused: bool) -> dict[str, str]:
 
 
 def _conv_refusal(conv: nn.Module) -> str | None:
+    if getattr(type(conv), "_ops_adv_converted", False):
+        return "already converted by convert_model (it folds BatchNorm itself): run fuse_conv_bn_relu first"
     if type(conv).forward is not nn.Conv2d.forward:
         return f"{type(conv).__name__} overrides Conv2d.forward"
     if conv.groups != 1:

@@ -56,6 +56,20 @@ def test_triton_epilogue_bf16_gpu():
         assert relative_error(out, spec.reference(*args, **attrs)) <= spec.tolerance("bf16")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cudnn_convolution_relu needs CUDA")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_cudnn_fused_vendor_gpu(dtype):
+    spec = get_op("conv2d_bn_relu")
+    for case in CASES[:2]:
+        for lay in ("nchw", "nhwc"):
+            problem = case._replace(layout=lay, dtype=dtype)
+            args, attrs = spec.make_inputs(problem, "cuda")
+            for name in ("cudnn_fused_nchw", "cudnn_fused_nhwc"):
+                out = get_impl("conv2d_bn_relu", name).fn(*args, **attrs)
+                assert relative_error(out, spec.reference(*args, **attrs)) <= spec.tolerance(dtype), (name, problem)
+    assert "always applies ReLU" in get_impl("conv2d_bn_relu", "cudnn_fused_nhwc").why_not(CASES[2])
+
+
 def test_conv2d_without_epilogue_is_unchanged():
     """conv2d's launch with HAS_BIAS/RELU off gives F.conv2d (no bias, negatives kept)."""
     pytest.importorskip("triton")
@@ -207,6 +221,23 @@ def test_training_mode_model_is_left_unchanged():
     assert len(report) == 1 and report[0]["converted"] == "no" and "training mode" in report[0]["why"]
     assert not any(isinstance(m, ConvBNReLU) for m in model.modules())
     assert "forward" not in model.stem.__dict__ and model.state_dict().keys() == before.keys()
+
+
+def test_sites_refused_for_their_semantics():
+    """A BatchNorm left in training mode, one without running statistics, and a conv convert_model already swapped."""
+    import ops_adv
+
+    def block(track=True):
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=track), nn.ReLU())
+
+    model = nn.Sequential(block(), block(track=False), block()).eval()
+    model[0][1].train()
+    ops_adv.convert_model(model[2])
+    report = fuse_conv_bn_relu(model)
+    assert [r["converted"] for r in report] == ["no", "no", "no"]
+    assert "training mode" in report[0]["why"] and "running statistics" in report[1]["why"]
+    assert "convert_model" in report[2]["why"]
+    assert not any(isinstance(m, ConvBNReLU) for m in model.modules())
 
 
 def test_untraceable_forward_is_left_unchanged_with_a_reason():
