@@ -14,6 +14,10 @@ from ._benchmark import benchmark
 from ._dispatch import dispatch, explain, load_table, misses, op_function, write_misses
 from ._convert import convert_model, explain_model
 from ._ops import attention, conv2d, gemm, layer_norm, linear, rms_norm, softmax
+from ._decode import decode_attention
+from ._fused import add_layer_norm, add_rms_norm, swiglu
+from ._rope import apply_rotary_pos_emb, rope
+from ._conv_fused import conv2d_bn_relu
 from ._record import record, tune_for_hardware
 from ._table import TableError
 
@@ -32,10 +36,15 @@ __all__ = [
     "OpsAdvError",
     "TableError",
     "UnknownOpError",
+    "add_layer_norm",
+    "add_rms_norm",
+    "apply_rotary_pos_emb",
     "attention",
     "benchmark",
     "conv2d",
+    "conv2d_bn_relu",
     "debug",
+    "decode_attention",
     "convert_model",
     "dispatch",
     "explain",
@@ -50,7 +59,9 @@ __all__ = [
     "profiler",
     "register_impl",
     "rms_norm",
+    "rope",
     "softmax",
+    "swiglu",
     "tune_for_hardware",
     "write_misses",
 ]

@@ -142,8 +142,12 @@ def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from model.named_modules()
 
 
-def convert_model(model: nn.Module, *, attention: bool = True) -> nn.Module:
+def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True) -> nn.Module:
     """Run `model`'s Linear, LayerNorm, RMSNorm (any library's), Conv2d layers and attention through ops-adv.
+
+    With `fuse`, decoder blocks whose forward adds a residual before an RMS norm, multiplies a
+    SiLU gate by an up projection, or applies transformers' rotary embedding run the fused ops
+    (`ops_adv._blocks`), and eval-mode Conv2d -> BatchNorm2d (-> ReLU) runs as one conv2d_bn_relu.
 
     Converts in place and returns the model, with `tune_for_hardware` attached and
     `ops_adv.explain_model(model)` describing what was and was not converted.
@@ -172,12 +176,58 @@ def convert_model(model: nn.Module, *, attention: bool = True) -> nn.Module:
                                "why": "behaves as an RMS norm (structure and probe)"})
             else:
                 report.append({"module": name, "type": type(m).__name__, "converted": "no", "why": why})
+    if fuse:
+        report += _fuse_blocks(model)
+        report += _fuse_conv_bn_relu(model)
     report += _fold_batch_norms(model)
     if attention:
         report += _hf_attention(model)
     model._ops_adv_report = report
     model.tune_for_hardware = types.MethodType(_tune_method, model)
     return model
+
+
+_NO_FUSION: dict[type, str] = {}  # classes whose forward has nothing to fuse, and why
+_FUSED: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _fuse_blocks(model: nn.Module) -> list[dict[str, str]]:
+    """Rewrite the forward of blocks with fusable patterns (see `_blocks`); the class is swapped per pattern set."""
+    from . import _blocks
+
+    def rms_ok(norm: Any) -> bool:
+        return isinstance(norm, nn.Module) and (isinstance(norm, nn.RMSNorm) or _looks_like_rms_norm(norm) is None)
+
+    out = []
+    for name, m in list(model.named_modules()):
+        cls = type(m)
+        if not list(m.children()) or cls.__module__.startswith("torch.") or getattr(cls, "_ops_adv_fused", False) \
+                or cls in _NO_FUSION:
+            continue
+        new, done, why = _blocks.rewrite_forward(m, rms_ok)
+        if new is None:
+            if why.startswith("no residual-add") or "not readable" in why or "not a" in why:
+                _NO_FUSION[cls] = why  # a property of the class's code, not of this instance
+            continue
+        key = (cls, tuple(done))
+        sub = _FUSED.get(key)
+        if sub is None:
+            sub = _FUSED[key] = type(cls.__name__, (cls,), {"forward": new, "_ops_adv_fused": True,
+                                                             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        m.__class__ = sub
+        out.append({"module": name, "type": cls.__name__, "converted": "yes", "why": "fused: " + "; ".join(done)})
+    return out
+
+
+def _fuse_conv_bn_relu(model: nn.Module) -> list[dict[str, str]]:
+    """Conv2d -> BatchNorm2d (-> ReLU) in eval mode as one conv2d_bn_relu with folded weights."""
+    if model.training or not any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
+        return []
+    try:
+        from ._conv_fused import fuse_conv_bn_relu
+    except ImportError:
+        return []
+    return fuse_conv_bn_relu(model)
 
 
 def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:

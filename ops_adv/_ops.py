@@ -66,8 +66,19 @@ def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return fn(a, b)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): x (..., in) @ weight.T through the gemm table (a trans_b problem)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: str | None = None) -> torch.Tensor:
+    """activation(F.linear(x, weight, bias)).
+
+    Without an activation: x (..., in) @ weight.T through the gemm table (a trans_b problem, so
+    the gemm winners, CPU variants included, serve nn.Linear), then the bias. With one ("relu",
+    "gelu", "gelu_tanh", "silu"): the `linear` table, whose kernels add the bias and apply the
+    activation in the gemm's epilogue.
+    """
+    if activation is not None and activation != "none":
+        from ._epilogue import linear as fused
+
+        return fused(x, weight, bias, activation)
     if x.dim() < 1 or weight.dim() != 2 or x.dtype is not weight.dtype or x.dtype not in DTYPE_CODE \
             or (bias is not None and (bias.dtype is not x.dtype or bias.dim() != 1)) or x.shape[-1] != weight.shape[1] \
             or x.numel() == 0:

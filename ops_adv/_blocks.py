@@ -1,0 +1,176 @@
+"""Fused ops inside decoder blocks: residual add + norm, SiLU-gate times up, rotary embedding.
+
+A block's own `forward` is read and matched statement by statement; only the exact patterns
+below are rewritten, everything else in the function stays as its library wrote it:
+- `h = residual + h; residual = h; h = self.<norm>(h)` where `<norm>` is an RMS norm
+  -> `h, residual = add_rms_norm(h, residual, ...)` (the sum is the new residual, as before);
+- `self.<act>(a) * b` where `<act>` is SiLU -> `swiglu(a, b)`;
+- a call of the module-level `apply_rotary_pos_emb` with transformers' signature -> ops-adv's rope.
+A block whose forward has none of them, whose source cannot be read, or that closes over
+variables (`super()`), is left as it is, with the reason in `explain_model`.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import types
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_REWRITTEN: dict[tuple[type, str], tuple[Callable, list[str]] | str] = {}
+
+
+def _is_silu(m: Any) -> bool:
+    if isinstance(m, nn.SiLU):
+        return True
+    if not isinstance(m, nn.Module) or list(m.parameters()) or list(m.children()):
+        return False
+    x = torch.linspace(-6, 6, 97)
+    try:
+        with torch.no_grad():
+            return bool(torch.allclose(m(x), F.silu(x), atol=1e-6))
+    except Exception:
+        return False
+
+
+def _self_attr(node: ast.AST) -> str | None:
+    """`self.<name>` -> name."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else None
+
+
+class _Rewriter(ast.NodeTransformer):
+    def __init__(self, module: nn.Module, rms_ok: Callable[[nn.Module], bool]):
+        self.module, self.rms_ok = module, rms_ok
+        self.done: list[str] = []
+
+    def _fuse_add_norm(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out, i = [], 0
+        while i < len(body):
+            s = body[i: i + 3]
+            if len(s) == 3 and all(isinstance(t, ast.Assign) and len(t.targets) == 1 for t in s):
+                (a, b, c) = s
+                h, r = _name(a.targets[0]), _name(b.targets[0])
+                add = a.value
+                norm = _self_attr(c.value.func) if isinstance(c.value, ast.Call) else None
+                if (h and r and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add)
+                        and {_name(add.left), _name(add.right)} == {h, r} and _name(b.value) == h
+                        and _name(c.targets[0]) == h and norm and len(c.value.args) == 1 and not c.value.keywords
+                        and _name(c.value.args[0]) == h and self.rms_ok(getattr(self.module, norm, None))):
+                    call = ast.Call(func=ast.Name("__ops_adv_add_rms_norm", ast.Load()),
+                                    args=[ast.Name(h, ast.Load()), ast.Name(r, ast.Load()),
+                                          ast.Attribute(ast.Name("self", ast.Load()), norm, ast.Load())], keywords=[])
+                    out.append(ast.copy_location(ast.Assign(
+                        targets=[ast.Tuple([ast.Name(h, ast.Store()), ast.Name(r, ast.Store())], ast.Store())],
+                        value=call), a))
+                    self.done.append(f"residual add + {norm} -> add_rms_norm")
+                    i += 3
+                    continue
+            out.append(body[i])
+            i += 1
+        return out
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        node = super().generic_visit(node)
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                setattr(node, field, self._fuse_add_norm(stmts))
+        return node
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        node = self.generic_visit(node)
+        if isinstance(node.op, ast.Mult) and isinstance(node.left, ast.Call) and len(node.left.args) == 1 \
+                and not node.left.keywords:
+            act = _self_attr(node.left.func)
+            if act and _is_silu(getattr(self.module, act, None)):
+                self.done.append(f"{act}(gate) * up -> swiglu")
+                return ast.copy_location(ast.Call(func=ast.Name("__ops_adv_swiglu", ast.Load()),
+                                                  args=[node.left.args[0], node.right], keywords=[]), node)
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        node = self.generic_visit(node)
+        if _name(node.func) == "apply_rotary_pos_emb":
+            self.done.append("apply_rotary_pos_emb -> rope")
+            node.func = ast.Name("__ops_adv_apply_rotary_pos_emb", ast.Load())
+        return node
+
+
+def _rope_matches(fn: Any) -> bool:
+    """Whether `fn` is transformers' rotate-half apply_rotary_pos_emb (checked on a probe)."""
+    try:
+        from ._rope import apply_rotary_pos_emb as ours
+    except ImportError:
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
+    ang = torch.randn(1, 3, 4, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    try:
+        with torch.no_grad():
+            want, got = fn(q, k, cos, sin), ours(q, k, cos, sin)
+        return all(torch.allclose(w, o, atol=1e-5) for w, o in zip(want, got))
+    except Exception:
+        return False
+
+
+def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[Callable | None, list[str], str]:
+    """A forward for `m` with the fused ops in, what was fused, and why not when nothing was."""
+    cls = type(m)
+    fn = inspect.unwrap(cls.forward)
+    if not isinstance(fn, types.FunctionType):
+        return None, [], "forward is not a Python function"
+    if fn.__code__.co_freevars:
+        return None, [], "forward closes over variables (super() or a closure): left as is"
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError) as e:
+        return None, [], f"forward's source is not readable ({type(e).__name__})"
+    fdef = tree.body[0]
+    if not isinstance(fdef, ast.FunctionDef):
+        return None, [], "forward is not a plain function"
+    fdef.decorator_list = []
+    rw = _Rewriter(m, rms_ok)
+    rw.visit(fdef)
+    done = rw.done
+    if any("rope" in d for d in done) and not _rope_matches(fn.__globals__.get("apply_rotary_pos_emb")):
+        return None, [], "apply_rotary_pos_emb here is not transformers' rotate-half formula: left as is"
+    if not done:
+        return None, [], "no residual-add + RMS norm, SiLU gate or rotary embedding in forward"
+    from ._fused import add_rms_norm, swiglu
+
+    def add_norm(h, residual, norm):
+        out, new_residual = add_rms_norm(h, residual, norm.weight, float(getattr(norm, _eps_name(norm))))
+        return out, new_residual
+
+    glb = dict(fn.__globals__)
+    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=swiglu)
+    if any("rope" in d for d in done):
+        from ._rope import apply_rotary_pos_emb
+
+        glb["__ops_adv_apply_rotary_pos_emb"] = apply_rotary_pos_emb
+    code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")
+    ns: dict[str, Any] = {}
+    exec(code, glb, ns)
+    new = ns[fdef.name]
+    new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    return new, done, ""
+
+
+def _eps_name(m: nn.Module) -> str:
+    for name in ("eps", "variance_epsilon", "epsilon"):
+        if isinstance(getattr(m, name, None), float):
+            return name
+    raise AttributeError(f"{type(m).__name__} has no float eps")
