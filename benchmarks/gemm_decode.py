@@ -221,11 +221,12 @@ def _copy_widths(compiled) -> dict[str, int]:
     except Exception:
         return {}
     counts: dict[str, int] = {}
-    for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global[^\n]*?,\s*(\d+)", ptx):
-        counts[f"cp.async {m.group(1)}B"] = counts.get(f"cp.async {m.group(1)}B", 0) + 1
-    for m in re.finditer(r"ld\.global(?:\.\w+)*?\.(v\d)?\.?b(\d+)", ptx):
-        key = f"ld.global {m.group(1) or 'v1'}.b{m.group(2)}"
+    # e.g. "cp.async.cg.shared.global [ %r1 + 0 ], [ %rd2 + 0 ], 0x10, %r3;" (16 bytes)
+    for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global[^,\n]*,[^,\n]*,\s*(0x[0-9a-fA-F]+|\d+)", ptx):
+        key = f"cp.async {int(m.group(1), 0)}B"
         counts[key] = counts.get(key, 0) + 1
+    for tok in re.findall(r"ld\.global[\w.]*", ptx):  # e.g. ld.global.v4.b32, ld.global.b16
+        counts[tok] = counts.get(tok, 0) + 1
     counts["tma"] = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
     return counts
 

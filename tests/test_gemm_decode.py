@@ -159,6 +159,13 @@ def test_unknown_activation_is_refused():
         get_impl("gemm", "triton_splitk_decode").fn(x, torch.randn(32, 16, device=DEVICE), activation="tanh")
 
 
+def _skip_without_tma():
+    from kernel_space.gemm.triton import _tma_supported
+
+    if _tma_supported():
+        pytest.skip(_tma_supported())
+
+
 TMA = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4, "num_stages": 2, "FLATTEN": True}
 
 
@@ -169,6 +176,7 @@ def test_tma_persistent_matches_reference(dtype, trans_a, trans_b):
     # M, N, K not multiples of their tiles: TMA zero-fills the edges.
     problem = GemmProblem(136, 72, 40, dtype, trans_a, trans_b)
     impl = get_impl("gemm", "triton_tma")
+    _skip_without_tma()
     assert impl.check(problem, TMA) is None, impl.check(problem, TMA)
     spec = get_op("gemm")
     (a, b), _ = spec.make_inputs(problem, DEVICE, seed=0)
@@ -178,6 +186,7 @@ def test_tma_persistent_matches_reference(dtype, trans_a, trans_b):
 
 
 def test_tma_epilogue_and_untma_layout_fallback():
+    _skip_without_tma()
     x, w, b, ref = _epilogue_case("fp16", 80, 40, 24, True, "gelu_tanh")
     tma = get_impl("gemm", "triton_tma").fn
     assert relative_error(tma(x, w.t(), **TMA, bias=b, activation="gelu_tanh"), ref) <= 5e-3
@@ -191,4 +200,5 @@ def test_tma_check_refuses_with_a_reason():
     assert "16 TMA needs" in impl.check(GemmProblem(3000, 5001, 1000, "bf16"), impl.default_params())
     assert "decode" in impl.check(GemmProblem(64, 4096, 4096, "bf16"), {**impl.default_params(), "BLOCK_M": 64})
     assert "shared memory" in impl.check(GemmProblem(4096, 4096, 4096, "fp32"), {**impl.default_params(), "BLOCK_K": 128, "num_stages": 5})
+    _skip_without_tma()
     assert impl.check(GemmProblem(3000, 5000, 1000, "bf16"), impl.default_params()) is None

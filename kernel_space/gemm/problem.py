@@ -57,6 +57,9 @@ def default_problems(device_class: str) -> list[GemmProblem]:
         GemmProblem(16, 4096, 4096, "bf16"),
         GemmProblem(64, 14336, 4096, "bf16"),
         GemmProblem(1, 4096, 4096, "bf16"),
+        GemmProblem(1, 4096, 4096, "bf16", trans_b=True),  # decode through a Linear weight (x @ W.T)
+        GemmProblem(16, 6144, 4096, "bf16", trans_b=True),
+        GemmProblem(3000, 5000, 1000, "bf16"),  # rows of 2000 and 10000 bytes: multiples of 16, not of 32
         GemmProblem(4096, 4096, 4096, "fp16"),
         GemmProblem(2048, 2048, 2048, "fp32"),
     ]

@@ -15,8 +15,9 @@ def torch_linear(x, weight, bias=None, activation: str = "none"):
 
 
 # torch._addmm_activation(bias, x, W.T, use_gelu) computes relu or gelu of the product plus bias.
-# Its GELU is the tanh form on CUDA (the cuBLASLt epilogue, and the same on its non-Lt path)
-# but the erf form on the CPU (checked on torch 2.14): one registration per backend.
+# Its GELU is the tanh form on CUDA (cuBLASLt's GELU epilogue; the non-Lt path calls
+# gelu_(result, "tanh"), aten/src/ATen/native/cuda/Blas.cpp) but the erf form on the CPU
+# (gelu_(result), native/LinearAlgebra.cpp; checked on torch 2.14): one registration per backend.
 def _addmm_check(allowed: tuple[str, ...]):
     def check(p: LinearProblem, c) -> str | None:
         if not p.bias:
