@@ -59,31 +59,38 @@ def _covered(q, k, cos, sin, positions, layout: str) -> bool:
     dt = q.dtype
     if dt not in DTYPE_CODE or k.dtype is not dt or cos.dtype is not dt or sin.dtype is not dt:
         return False
-    nd = q.dim()
-    if nd not in (3, 4) or k.dim() != nd or (nd == 3 and layout != "bshd") or cos.requires_grad or sin.requires_grad:
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    nd = len(qs)
+    if len(ks) != nd or sin.shape != cs or cos.requires_grad or sin.requires_grad:
         return False
-    D = q.shape[-1]
-    if not D or D % 2 or k.shape[-1] != D or q.stride(-1) != 1 or k.stride(-1) != 1 or sin.shape != cos.shape:
+    D = qs[-1]
+    if not D or D % 2 or ks[-1] != D or cs[-1] not in (D, D // 2) or q.stride(-1) != 1 or k.stride(-1) != 1:
         return False
-    if q.device != k.device or cos.device != q.device or sin.device != q.device:
+    dev = q.get_device()
+    if k.get_device() != dev or cos.get_device() != dev or sin.get_device() != dev:
         return False
     if nd == 4:
-        B, S = (q.shape[0], q.shape[2]) if layout == "bhsd" else q.shape[:2]
-        ks = (k.shape[0], k.shape[2]) if layout == "bhsd" else k.shape[:2]
-        if ks != (B, S):
+        if layout == "bhsd":
+            B, S = qs[0], qs[2]
+            if ks[0] != B or ks[2] != S:
+                return False
+        else:
+            B, S = qs[0], qs[1]
+            if ks[0] != B or ks[1] != S:
+                return False
+    elif nd == 3 and layout == "bshd":
+        B, S = 1, qs[0]
+        if ks[0] != S:
             return False
     else:
-        B, S = 1, q.shape[0]
-        if k.shape[0] != S:
-            return False
-    if cos.shape[-1] not in (D, D // 2):
         return False
     if positions is None:
-        lead = cos.shape[:-1]
+        lead = cs[:-1]
         return lead == (S,) or (len(lead) == 2 and lead[1] == S and lead[0] in (1, B))
-    if positions.dtype not in _INT or positions.device != q.device or cos.dim() != 2:
+    if positions.dtype not in _INT or positions.get_device() != dev or len(cs) != 2:
         return False
-    return positions.shape in ((B, S), (S,)) if nd == 4 else positions.shape == (S,)
+    ps = positions.shape
+    return ps == (S,) or (nd == 4 and ps == (B, S))
 
 
 def _bshd(x: torch.Tensor, layout: str) -> torch.Tensor:

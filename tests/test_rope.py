@@ -165,14 +165,17 @@ def test_rope_in_place_writes_q_and_k(route, interleaved, layout):
     assert relative_error(torch.cat([gq, gk], -2), ref) < 1e-6
 
 
+@pytest.mark.parametrize("full_width", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_rope_positions_cache(route, interleaved):
-    """A (max_pos, D/2) cache read at positions (B, S), (S,), and for (T, H, D) tensors at (T,)."""
+def test_rope_positions_cache(route, interleaved, full_width):
+    """A (max_pos, D/2) cache (or a full-width one) read at positions (B, S), (S,), and for (T, H, D) tensors at (T,)."""
     B, S, Hq, Hkv, D, max_pos = 2, 11, 4, 1, 64, 100
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, S, Hq, D, generator=g).to(DEVICE)
     k = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE)
     a = torch.arange(max_pos, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
+    if full_width:
+        a = a.repeat_interleave(2, -1) if interleaved else torch.cat([a, a], -1)
     cache_cos, cache_sin = a.cos().float().to(DEVICE), a.sin().float().to(DEVICE)
     for pos in (torch.randint(0, max_pos, (B, S), generator=g).to(DEVICE), torch.arange(S, device=DEVICE) + 50):
         got = rope(q, k, cache_cos, cache_sin, pos, interleaved=interleaved)
