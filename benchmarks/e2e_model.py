@@ -458,7 +458,8 @@ def markdown(info: dict, rows: list[dict], targets: list[dict]) -> str:
            "Times: median per call (decode: one step, cache length put back before each), launch included; "
            "L2 not flushed (weights are far larger than L2). xeager, xcompile: speed against those variants. "
            "KL: KL(eager || variant) of the float32 softmax, mean over positions; top-1: argmax agreement with eager "
-           "(compile's own agreement is the bf16 noise floor). graph: ran under CUDA graphs.", ""]
+           "(compile's own agreement is the bf16 noise floor). ms/layer: the whole call / layers (embedding and lm_head "
+           "included). graph: ran under CUDA graphs (compiled decode: mode=reduce-overhead; +graph: torch.cuda.CUDAGraph).", ""]
     for group in GROUPS:
         rs = [r for r in rows if r["group"] == group or r["group"].startswith(group)]
         if group == "qwen":
