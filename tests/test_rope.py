@@ -266,3 +266,37 @@ def test_liger_candidate_matches_reference():
     out = liger.fn(*args, **attrs)
     assert torch.equal(args[0], q0)  # out of place: the inputs are left alone
     assert relative_error(out, SPEC.reference(*args, **attrs)) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_triton_random_cases(seed):
+    """Sampled problems: any token count, GQA head counts, head dims whose half is not a power of two
+    (80, 96), both layouts and pair orders, tables or a cache, out of place or in place."""
+    import random
+
+    r = random.Random(seed)
+    B, S = r.choice([1, 2, 3]), r.randint(1, 13)
+    Hkv = r.choice([1, 2, 3])
+    Hq = Hkv * r.choice([1, 2, 4])
+    D = r.choice([16, 32, 80, 96, 128])
+    interleaved, positions, inplace = (r.random() < 0.5 for _ in range(3))
+    bhsd = bool(seed % 2)
+    dtype = r.choice([torch.float32, torch.float16])
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, Hq, D, generator=g).to(DEVICE, dtype)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE, dtype)
+    if bhsd:  # physically (B, H, S, D)
+        q, k = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+    if positions:
+        a = torch.arange(64, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
+        cos, sin, pos = a.cos().to(DEVICE, dtype), a.sin().to(DEVICE, dtype), torch.randint(0, 64, (B, S), generator=g)
+        pos = pos.to(DEVICE)
+    else:
+        (cos, sin), pos = _tables(S, D, dtype, interleaved, B=B, seed=seed), None
+    ref = SPEC.reference(q, k, cos, sin, pos, interleaved=interleaved)
+    p = RopeProblem(B * S, Hq, Hkv, D, interleaved, positions, "fp32" if dtype == torch.float32 else "fp16")
+    cfg = r.choice(_configs(p, 8))
+    qc, kc = q.clone(), k.clone()
+    out = (qc, kc) if inplace else (torch.empty_like(q), torch.empty_like(k))
+    TRITON.bind(cfg)(qc, kc, cos, sin, pos, interleaved=interleaved, out=out)
+    assert relative_error(torch.cat(out, -2), ref) < TOL[p.dtype], (p, cfg)
