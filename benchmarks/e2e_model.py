@@ -283,7 +283,13 @@ def decode_case(family: str, models: Models, B: int, ctx: int, args: Any, dev: t
                 torch.cuda.synchronize()
     case = {"group": f"{family}-decode", "case": f"{family} decode B={B} ctx={ctx}", "family": family, "kind": "decode",
             "B": B, "ctx": ctx, "capacity": capacity, "layers": args.layers, "graphs": graphs, "graph_errors": errors}
+    skips = cudagraph_skips()
     samples = run_variants(case["case"], fns, prep, dev, args.rounds, args.reps, 3)
+    if cudagraph_skips() > skips:  # inductor fell back to no graphs for some compiled graph: say so
+        case["graph_errors"]["compiled"] = "inductor skipped CUDA graphs for a graph (see the log's 'skipping cudagraphs')"
+        for v in fns:
+            if v.startswith("compile"):
+                graphs[v] = False
     outs = {}
     for v, fn in fns.items():
         prep()
@@ -293,6 +299,15 @@ def decode_case(family: str, models: Models, B: int, ctx: int, args: Any, dev: t
         case["implementations"] = profile_converted(step(models.base["converted"]), prep)
     del fns, cache
     return case
+
+
+def cudagraph_skips() -> int:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["inductor"].get(k, 0) for k in ("cudagraph_skips",)))
+    except Exception:
+        return 0
 
 
 def capture(fn: Callable[[], torch.Tensor], prep: Callable[[], Any]) -> Callable[[], torch.Tensor]:
