@@ -20,7 +20,7 @@ CUDA graph ("eager+graph", "fused+graph", and "best+graph": each layer dispatche
 this run measured fastest for it, as a tuned table would). Speed-ups: graph against graph.
 
     python benchmarks/conv_bn_relu.py --out results/conv_bn_relu.json         # the H200 run
-    python benchmarks/conv_bn_relu.py --device cpu --quick --out /tmp/cbr.json   # smoke test
+    python benchmarks/conv_bn_relu.py --device cpu --quick --out /tmp/cbr.json   # smoke test (CPU times: noise)
 """
 from __future__ import annotations
 
@@ -108,6 +108,7 @@ def _bn(K: int, dtype, device) -> nn.BatchNorm2d:
     return bn.eval().to(device=device, dtype=dtype)
 
 
+@torch.no_grad()
 def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
     dtype = DTYPES[args.dtype]
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
@@ -121,6 +122,7 @@ def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
     attrs = dict(stride=L["stride"], padding=L["padding"], dilation=1, relu=L["relu"])
     spec = get_op("conv2d_bn_relu")
     problem = spec.problem._make(spec.signature(x, w, b, **attrs))
+    ref = spec.reference(x, w, b, **attrs)
 
     def eager():
         y = bn(conv(x))
@@ -135,7 +137,7 @@ def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
     if device.type == "cuda" and L["relu"]:  # cuDNN's fused conv + bias + ReLU, where the layer has a ReLU
         fused_fn = get_impl("conv2d_bn_relu", f"cudnn_fused_{layout}").fn
         try:
-            row_err = relative_error(fused_fn(x, w, b, **attrs), spec.reference(x, w, b, **attrs))
+            row_err = relative_error(fused_fn(x, w, b, **attrs), ref)
             if row_err <= spec.tolerance(args.dtype):
                 cands["cudnn_fused"] = lambda: fused_fn(x, w, b, **attrs)
             else:
@@ -143,7 +145,6 @@ def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
         except Exception as e:  # not every cuDNN build has an engine for this graph
             log(f"  cudnn_fused failed: {type(e).__name__}: {str(e)[:100]}")
     row: dict[str, Any] = {"layer": L, "layout": layout, "problem": problem._asdict()}
-    ref = spec.reference(x, w, b, **attrs)
     late = time.perf_counter() - T0 > args.deadline_s  # past it: one Triton config, no torch.compile
     row["late"] = late
     if device.type == "cuda":
@@ -175,14 +176,12 @@ def bench_layer(L: dict, layout: str, args, device: torch.device) -> dict:
     if args.compile and not late:
         torch._dynamo.reset()  # one compile per layer; the same code object would hit the recompile limit
         comp = torch.compile(eager, dynamic=False)
-        with torch.no_grad():
-            comp()
+        comp()
         cands["compile"] = comp
     row["vendor_err"] = relative_error(cands["cudnn"](), ref)
     row["eager_err"] = relative_error(eager(), ref)
-    with torch.no_grad():
-        fns = {k: graphed(f, device, args.graphs) for k, f in cands.items()}
-        t = interleaved(fns, device=device, rounds=args.rounds, reps=args.reps, budget_s=0.3)
+    fns = {k: graphed(f, device, args.graphs) for k, f in cands.items()}
+    t = interleaved(fns, device=device, rounds=args.rounds, reps=args.reps, budget_s=0.3)
     row["ms"] = {k: v.median_ms for k, v in t.items()}
     row["speedup"] = {k: t["eager"].median_ms / v.median_ms for k, v in t.items() if k != "eager"}
     del fns
@@ -212,6 +211,7 @@ def use_table(table: dict[tuple, tuple[str, dict]], device: torch.device) -> Non
         c.clear()
 
 
+@torch.no_grad()
 def bench_model(layout: str, args, device: torch.device, table: dict) -> dict:
     import torchvision
 
@@ -325,7 +325,8 @@ def main() -> None:
         log(line)
     if args.model:
         for layout in ("nchw", "nhwc"):
-            r = bench_model(layout, args, device, winners([r for r in rows if r["layout"] == layout]))
+            # Both layouts' winners: a winner in the other layout hands the next layer that layout's input.
+            r = bench_model(layout, args, device, winners(rows))
             out["model"].append(r)
             line = (f"ResNet-50 {layout} batch {args.batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in r["ms"].items())
                     + "; speed-up " + ", ".join(f"{k} {v:.2f}x" for k, v in r["speedup"].items())
