@@ -176,6 +176,7 @@ def measure(op: str, rows: int, cols: int, args_: argparse.Namespace, device: to
             except Exception as e:  # a config that fails to compile or launch is skipped, and said so
                 row["notes"].append(f"ours {cfg}: {type(e).__name__}")
                 continue
+            row.setdefault("sweep", []).append({"config": cfg, "ms": ms})
             if best is None or ms < best[0]:
                 best = (ms, cfg, fn)
         if best is not None:
