@@ -166,10 +166,41 @@ def summarise(case: dict, samples: dict[str, list[float]], outs: dict[str, torch
         if "eager" in outs and outs.get(v) is not None and outs["eager"] is not None:
             row.update(compare(outs["eager"], outs[v]))
         if case.get("layers"):
-            row["ms_per_layer"] = med / case["layers"]
+            hm, k = case.get("head_ms") or {}, head_of(v)
+            head = hm.get(k, hm.get(k.replace("+graph", ""), 0.0))
+            row["ms_per_layer"] = (med - head) / case["layers"]
         rows[v] = row
     case["variants"] = rows
     return case
+
+
+def head_of(v: str) -> str:
+    """Which head-only measurement a variant's per-layer time subtracts (compiled decode: the graphed one)."""
+    fam = "converted" if "converted" in v else "eager"
+    graphed = v.endswith("+graph") or v.startswith("compile")
+    return fam + "+graph" if graphed else fam
+
+
+def head_times(models: Models, ids: torch.Tensor, dev: torch.device, reps: int) -> dict[str, float]:
+    """ms of the part outside the decoder layers (embedding, final norm, lm_head) per eager/converted model,
+    also under a CUDA graph on CUDA; per-layer times subtract it."""
+    out = {}
+    for fam, m in models.base.items():
+        inner = m.model
+
+        def head(m=m, inner=inner) -> torch.Tensor:
+            return m.lm_head(inner.norm(inner.embed_tokens(ids)))
+
+        fns = {fam: head}
+        if dev.type == "cuda":
+            try:
+                fns[fam + "+graph"] = capture(head, lambda: None)
+            except Exception as e:  # noqa: BLE001 - reported, the ungraphed time stays
+                log(f"  head {fam}: capture failed ({type(e).__name__})")
+        for k, fn in fns.items():
+            fn()
+            out[k] = statistics.median(time_once(fn, None, dev) for _ in range(reps))
+    return out
 
 
 def profile_converted(call: Callable[[], Any], prep: Callable[[], Any] | None) -> dict:
@@ -237,6 +268,7 @@ def prefill_case(family: str, models: Models, B: int, S: int, args: Any, dev: to
     case = {"group": f"{family}-prefill", "case": f"{family} prefill B={B} S={S}", "family": family, "kind": "prefill",
             "B": B, "S": S, "layers": args.layers, "graphs": {v: False for v in fns}}
     samples = run_variants(case["case"], fns, None, dev, args.rounds, 1, 2)
+    case["head_ms"] = head_times(models, ids, dev, 3)
     outs = {v: fn().float().cpu() if dev.type == "cpu" else fn().clone() for v, fn in fns.items()}
     summarise(case, samples, outs)
     if "converted" in models.base:
@@ -285,6 +317,7 @@ def decode_case(family: str, models: Models, B: int, ctx: int, args: Any, dev: t
             "B": B, "ctx": ctx, "capacity": capacity, "layers": args.layers, "graphs": graphs, "graph_errors": errors}
     skips = cudagraph_skips()
     samples = run_variants(case["case"], fns, prep, dev, args.rounds, args.reps, 3)
+    case["head_ms"] = head_times(models, tok, dev, 10)
     if cudagraph_skips() > skips:  # inductor fell back to no graphs for some compiled graph: say so
         case["graph_errors"]["compiled"] = "inductor skipped CUDA graphs for a graph (see the log's 'skipping cudagraphs')"
         for v in fns:
@@ -473,8 +506,8 @@ def markdown(info: dict, rows: list[dict], targets: list[dict]) -> str:
            "Times: median per call (decode: one step, cache length put back before each), launch included; "
            "L2 not flushed (weights are far larger than L2). xeager, xcompile: speed against those variants. "
            "KL: KL(eager || variant) of the float32 softmax, mean over positions; top-1: argmax agreement with eager "
-           "(compile's own agreement is the bf16 noise floor). ms/layer: the whole call / layers (embedding and lm_head "
-           "included). graph: ran under CUDA graphs (compiled decode: mode=reduce-overhead; +graph: torch.cuda.CUDAGraph).", ""]
+           "(compile's own agreement is the bf16 noise floor). ms/layer: (the call - embedding, final norm and lm_head "
+           "timed alone, under a CUDA graph for graphed and compiled variants) / layers. graph: ran under CUDA graphs (compiled decode: mode=reduce-overhead; +graph: torch.cuda.CUDAGraph).", ""]
     for group in GROUPS:
         rs = [r for r in rows if r["group"] == group or r["group"].startswith(group)]
         if group == "qwen":
