@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--deadline-s", type=float, default=170.0,
+    ap.add_argument("--deadline-s", type=float, default=150.0,
                     help="after this many seconds, layers get one Triton config and no torch.compile (keeps the run < 4 min)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile column")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time Python launches, not graphs")

@@ -235,6 +235,11 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
             why = "the conv or the BatchNorm is called more than once or shared between modules"
         if why is None and conv.training:
             why = "the conv is in training mode: call model.eval() first"
+        if why is None and any(m._forward_hooks or m._forward_pre_hooks for m in (conv, bn)):
+            why = "the conv or the BatchNorm has forward hooks, which fusing would drop"
+        if why is None and any(a.op == "get_attr" and a.target.split(".")[0] in (src.target, n.target)
+                               for a in graph.nodes):
+            why = f"{type(owner).__name__}.forward reads the conv's or the BatchNorm's parameters directly"
         if why is not None:
             out.append(_site(name, f"not fused with {prefix}{n.target}: {why}", False))
             continue

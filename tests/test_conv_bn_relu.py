@@ -230,13 +230,14 @@ def test_sites_refused_for_their_semantics():
     def block(track=True):
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=track), nn.ReLU())
 
-    model = nn.Sequential(block(), block(track=False), block()).eval()
+    model = nn.Sequential(block(), block(track=False), block(), block()).eval()
     model[0][1].train()
     ops_adv.convert_model(model[2])
+    model[3][1].register_forward_hook(lambda *a: None)
     report = fuse_conv_bn_relu(model)
-    assert [r["converted"] for r in report] == ["no", "no", "no"]
+    assert [r["converted"] for r in report] == ["no", "no", "no", "no"]
     assert "training mode" in report[0]["why"] and "running statistics" in report[1]["why"]
-    assert "convert_model" in report[2]["why"]
+    assert "convert_model" in report[2]["why"] and "hooks" in report[3]["why"]
     assert not any(isinstance(m, ConvBNReLU) for m in model.modules())
 
 
