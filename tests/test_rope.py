@@ -18,6 +18,7 @@ SPEC = get_op("rope")
 TRITON = get_impl("rope", "triton_rope")
 DTYPES = ["fp32", "fp16"] + (["bf16"] if DEVICE == "cuda" else [])  # bf16: GPU only, as the other Triton tests
 TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1e-2}
+COMPILE_BACKEND = "inductor"
 
 
 def _configs(p: RopeProblem, n: int = 3) -> list[dict]:
@@ -201,14 +202,14 @@ def test_rope_compiles_fullgraph_in_place_and_not():
     q, k, cos, sin, _ = _hf_inputs(2, 6, 4, 2, 32, torch.float32)
     want = hf.apply_rotary_pos_emb(q, k, cos, sin)
 
-    @torch.compile(fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    @torch.compile(fullgraph=True, backend=COMPILE_BACKEND)
     def f(q, k, cos, sin):
         return apply_rotary_pos_emb(q, k, cos, sin)
 
     got = f(q, k, cos, sin)
     assert all(relative_error(g, w) < 1e-6 for g, w in zip(got, want))
 
-    @torch.compile(fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    @torch.compile(fullgraph=True, backend=COMPILE_BACKEND)
     def g_inplace(q, k, cos, sin):
         qo, ko = rope(q, k, cos, sin, inplace=True, layout="bhsd")
         return qo * 1.0, ko * 1.0
@@ -300,3 +301,16 @@ def test_triton_random_cases(seed):
     out = (qc, kc) if inplace else (torch.empty_like(q), torch.empty_like(k))
     TRITON.bind(cfg)(qc, kc, cos, sin, pos, interleaved=interleaved, out=out)
     assert relative_error(torch.cat(out, -2), ref) < TOL[p.dtype], (p, cfg)
+
+
+def test_rope_compiled_backward_matches_composite():
+    q, k, cos, sin, _ = _hf_inputs(2, 5, 4, 2, 16, torch.float32)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    grads = []
+    for fn in (hf.apply_rotary_pos_emb, torch.compile(apply_rotary_pos_emb, fullgraph=True, backend=COMPILE_BACKEND)):
+        qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        qo, ko = fn(qq, kk, cos, sin)
+        ((qo * gq).sum() + (ko * gk).sum()).backward()
+        grads.append((qq.grad, kk.grad))
+    for a, b in zip(*grads):
+        assert relative_error(b, a) < 1e-6
