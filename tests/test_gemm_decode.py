@@ -202,3 +202,26 @@ def test_tma_check_refuses_with_a_reason():
     assert "shared memory" in impl.check(GemmProblem(4096, 4096, 4096, "fp32"), {**impl.default_params(), "BLOCK_K": 128, "num_stages": 5})
     _skip_without_tma()
     assert impl.check(GemmProblem(3000, 5000, 1000, "bf16"), impl.default_params()) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+def test_decode_in_a_cuda_graph(reduce):
+    """Replays reuse the cached counters (and accumulator): each must leave them zero for the next."""
+    impl = get_impl("gemm", "triton_splitk_decode")
+    spec = get_op("gemm")
+    problem = GemmProblem(8, 4096, 4096, "bf16", False, True)
+    (a, b), _ = spec.make_inputs(problem, "cuda", seed=0)
+    f = impl.bind({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 4, "REDUCE": reduce})
+    f(a, b)  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f(a, b)
+    ref = spec.reference(a, b)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, ref) <= spec.tolerance("bf16")

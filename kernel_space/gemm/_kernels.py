@@ -173,6 +173,7 @@ def _decode_kernel(
         tl.debug_barrier()  # every thread's share is written before this program counts itself in
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the last split of this N tile: reduce, finish, reset
+            tl.debug_barrier()  # the acquire (one thread's) orders every thread's reads below
             acc = tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
             if REDUCE == "atomic":
                 tl.store(ws_tile, tl.zeros_like(acc), mask=mask)
