@@ -14,6 +14,7 @@ from ._benchmark import benchmark
 from ._dispatch import dispatch, explain, load_table, misses, op_function, write_misses
 from ._convert import convert_model, explain_model
 from ._ops import attention, conv2d, gemm, layer_norm, linear, rms_norm, softmax
+from . import _epilogue  # noqa: F401  (ops_adv::linear, which linear(..., activation=...) runs)
 from ._decode import decode_attention
 from ._fused import add_layer_norm, add_rms_norm, swiglu
 from ._rope import apply_rotary_pos_emb, rope
