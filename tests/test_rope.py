@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernel_space
 from kernel_space import get_impl, get_op, relative_error
 from kernel_space.rope.problem import RopeProblem
 from ops_adv._rope import apply_rotary_pos_emb, rope

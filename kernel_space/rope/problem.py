@@ -43,7 +43,6 @@ def make_inputs(p: RopeProblem, device, seed: int = 0):
     g = generator(seed)
     q = randn((p.tokens, p.Hq, p.D), p.dtype, device, g)
     k = randn((p.tokens, p.Hkv, p.D), p.dtype, device, g)
-    half = p.D // 2
     if p.positions:
         max_pos = max(2 * p.tokens, 64)
         pos = torch.randint(0, max_pos, (p.tokens,), generator=g).to(device)
