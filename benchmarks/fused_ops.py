@@ -17,11 +17,13 @@ Targets: >= 90% copy BW and >= 1.2x eager from 2048 rows; >= 1.0x torch.compile 
 
     python benchmarks/fused_ops.py --out results/fused_ops.json           # GPU, about 3 minutes
     python benchmarks/fused_ops.py --device cpu --quick --out /tmp/f.json  # smoke test (eager, compile)
+    TRITON_INTERPRET=1 python benchmarks/fused_ops.py --device cpu --quick --out /tmp/f.json  # + Triton, Liger
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -141,26 +143,29 @@ def measure(op: str, rows: int, cols: int, args_: argparse.Namespace, device: to
     base = spec.name
     vendor = get_impl(base, f"torch_{base}").fn
     graph = device.type == "cuda" and rows <= GRAPH_MAX_ROWS
-    variants: dict[str, Callable[[], Any]] = {"eager": lambda: vendor(*inputs, **attrs)}
+    # every closure binds its callable as a default argument: names in this scope are reused below
+    variants: dict[str, Callable[[], Any]] = {"eager": lambda f=vendor: f(*inputs, **attrs)}
     if not args_.no_compile:
         key = base
         if key not in compiled:
             kw = {"backend": "aot_eager"} if device.type == "cpu" else {}
             compiled[key] = torch.compile(vendor, fullgraph=True, dynamic=False, **kw)
         cf = compiled[key]
-        variants["compile"] = lambda: cf(*inputs, **attrs)
+        variants["compile"] = lambda f=cf: f(*inputs, **attrs)
     row: dict[str, Any] = {"op": op, "rows": rows, "cols": cols, "dtype": args_.dtype, "graph": graph,
                            "bytes": spec.bytes_moved(problem), "notes": []}
-    backend = "cuda" if device.type == "cuda" else "cpu"
+    # TRITON_INTERPRET=1 on a CPU runs the Triton (and Liger) candidates through the interpreter: the smoke
+    # test then walks every code path of a GPU run
+    backend = "cuda" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "cpu"
     if liger_name:
         impl = get_impl(base, liger_name)
         why = impl.why_not(problem, backend=backend)
         if why:
             row["notes"].append(f"liger: {why}")
         else:
-            variants["liger"] = lambda: impl.fn(*inputs, **attrs)
+            variants["liger"] = lambda f=impl.fn: f(*inputs, **attrs)
     ours = get_impl(base, ours_name)
-    why = ours.why_not(problem, backend=backend)
+    why = ours.unavailable or (None if backend in ours.backends else f"no {backend} backend")  # configs: checked below
     if why:
         row["notes"].append(f"ours: {why}")
     else:
@@ -169,24 +174,23 @@ def measure(op: str, rows: int, cols: int, args_: argparse.Namespace, device: to
         for cfg in sweep:
             if ours.check(problem, cfg) is not None:
                 continue
-            fn = ours.bind(cfg)
+            bound = ours.bind(cfg)
             try:
-                t = Timer(lambda: fn(*inputs, **attrs), device, args_.calls, graph)
+                t = Timer(lambda f=bound: f(*inputs, **attrs), device, args_.calls, graph)
                 ms = min(t.sample() for _ in range(3))
             except Exception as e:  # a config that fails to compile or launch is skipped, and said so
                 row["notes"].append(f"ours {cfg}: {type(e).__name__}")
                 continue
             row.setdefault("sweep", []).append({"config": cfg, "ms": ms})
             if best is None or ms < best[0]:
-                best = (ms, cfg, fn)
+                best = (ms, cfg, bound)
         if best is not None:
             row["ours_config"] = best[1]
-            fn = best[2]
-            variants["ours"] = lambda: fn(*inputs, **attrs)
+            variants["ours"] = lambda f=best[2]: f(*inputs, **attrs)
     # correctness of every variant before timing
-    for name, fn in list(variants.items()):
+    for name, variant in list(variants.items()):
         try:
-            out = fn()
+            out = variant()
         except Exception as e:  # a variant that fails (a compile error, a library's refusal) is a note, not the end
             row["notes"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
             del variants[name]
@@ -197,9 +201,9 @@ def measure(op: str, rows: int, cols: int, args_: argparse.Namespace, device: to
             row["notes"].append(f"{name}: wrong result ({err:.2g} > {tol:g})")
             del variants[name]
     timers = {}
-    for name, fn in variants.items():
+    for name, variant in variants.items():
         try:
-            timers[name] = Timer(fn, device, args_.calls, graph)
+            timers[name] = Timer(variant, device, args_.calls, graph)
         except Exception as e:
             row["notes"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
     samples: dict[str, list[float]] = {n: [] for n in timers}
