@@ -396,3 +396,24 @@ def test_gpu_bf16_runtime_ops():
     f = torch.compile(lambda a, b, c: _fused.add_rms_norm(a, b, c, 1e-6), fullgraph=True)
     y2, h2 = f(x, r, w)
     assert torch.equal(h2, h) and relative_error(y2, y) < 1e-2
+
+
+def test_fused_ops_benchmark_smoke(tmp_path):
+    """benchmarks/fused_ops.py end to end at tiny sizes (on the CPU the Triton and Liger candidates run through the
+    interpreter, so the sweep, the interleaved timing, the ratios and the targets are all exercised)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_ops.py"
+    spec = importlib.util.spec_from_file_location("fused_ops_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "f.json"
+    device = "cuda" if DEVICE == "cuda" else "cpu"
+    assert bench.main(["--device", device, "--quick", "--ops", "swiglu_merged", "--no-compile", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["copy_bw_bytes_per_s"] > 0 and len(data["results"]) == 2
+    for r in data["results"]:
+        assert "eager" in r["ms"] and "ours" in r["ms"] and r["ours_config"] and r["sweep"]
+        assert set(r["targets"]) >= {"compile>=1.0", "liger>=1.0"} and r["ours_vs"]["eager"] > 0
