@@ -364,6 +364,17 @@ def test_report_groups_winners_by_source():
     assert "| library | rms_norm |" in format_markdown(rows)
 
 
+def test_report_lists_candidates_with_reasons():
+    from tuner.report import format_candidates
+
+    text = format_candidates(["add_rms_norm", "layer_norm"], "cpu")
+    lines = {tuple(ln.split(None, 3)) for ln in text.splitlines()[2:]}
+    assert ("add_rms_norm", "torch_add_rms_norm", "torch", "runs") in lines
+    assert ("layer_norm", "triton_layer_norm", "ours", "needs cuda") in lines
+    liger = [ln for ln in lines if ln[1] == "liger_add_rms_norm"]
+    assert liger and liger[0][2] == "library" and liger[0][3] in ("needs cuda", "liger_kernel not available")
+
+
 # --------------------------------------------------------------------------- GPU only (bf16, Liger running)
 
 

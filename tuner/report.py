@@ -64,6 +64,23 @@ def summarize_sources(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def format_candidates(ops: list[str], backend: str) -> str:
+    """Every implementation of `ops` with its source and whether it can run on `backend` (else why not):
+    library candidates whose module is missing, or that need CUDA, show with the reason."""
+    from kernel_space import impls
+    from kernel_space._registry import source_of
+
+    lines = [("op", "implementation", "source", f"on {backend}")]
+    for op in ops:
+        for impl in impls(op):
+            why = impl.unavailable or (None if backend in impl.backends else f"needs {'/'.join(sorted(impl.backends))}")
+            lines.append((op, impl.name, source_of(impl), why or "runs"))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(4)]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The winners grouped by source, then a summary line per source."""
     header = ("source", "op", "problem", "winner", "params", "ms", "vendor", "vendor ms", "speedup")
