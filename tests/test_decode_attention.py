@@ -252,8 +252,16 @@ def test_op_under_torch_compile_fullgraph(decode):
     def step(q, k, v, lens):
         return decode(q * 1.0, k, v, lens, causal=True) + 1.0
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    out = compiled(q, k, v, lens)
+    targets = []
+
+    def backend(gm, example_inputs):  # what dynamo traced: the custom operator, opaque, in one graph
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    out = torch.compile(step, fullgraph=True, backend=backend)(q, k, v, lens)
+    assert relative_error(out - 1.0, SPEC.reference(q, k, v, lens, True)) < 1e-5
+    assert any(t.startswith("ops_adv.decode_attention") for t in targets), targets
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, lens)
     assert relative_error(out - 1.0, SPEC.reference(q, k, v, lens, True)) < 1e-5
 
 
