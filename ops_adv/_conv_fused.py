@@ -7,11 +7,14 @@ Under torch.compile / torch.export / jit.trace: the `ops_adv::conv2d_bn_relu` cu
 whose gradients are torch's own.
 
 `fuse_conv_bn_relu(model)` rewrites an eval-mode model in place: each Conv2d -> BatchNorm2d
-(-> ReLU) that torch.fx finds in one module's forward becomes a `ConvBNReLU` holding the folded
-weight and bias (folded once, in float64), and the BatchNorm (and ReLU call) leave that forward.
+(-> ReLU) that torch.fx finds in one module's forward runs as one `ConvBNReLU` call (weights
+folded once, in float64, refolded when they change) in a rewritten forward that the module uses
+in eval mode. The conv and BatchNorm modules stay, so state_dict keys, checkpoints and train
+mode (which runs the module's own forward) are as before.
 """
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -86,19 +89,26 @@ if not hasattr(torch.ops.ops_adv, "conv2d_bn_relu"):  # a reload of this module 
 
 
 class ConvBNReLU(nn.Module):
-    """Conv2d -> BatchNorm2d (eval) -> ReLU as one inference op; weight and bias are the folded buffers."""
+    """One fused site: the model's own Conv2d and eval-mode BatchNorm2d (and a ReLU) as one conv2d_bn_relu.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, stride, padding, dilation, relu: bool) -> None:
+    It refers to the model's modules without owning them (they stay where they are, with their
+    state_dict keys), and folds them on use: w·γ/√(var+ε) and (b − mean)·γ/√(var+ε) + β in float64,
+    cast to the conv's dtype, cached until a weight or statistic changes (load_state_dict, .to()).
+    """
+
+    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> None:
         super().__init__()
-        self.out_channels, self.in_channels = weight.shape[:2]
-        self.kernel_size = tuple(weight.shape[2:])
-        self.stride, self.padding, self.dilation, self.relu = stride, padding, dilation, relu
-        self.register_buffer("weight", weight)
-        self.register_buffer("bias", bias)
+        self.__dict__["conv"], self.__dict__["bn"] = conv, bn  # not children: the model owns them
+        self.relu = relu
 
-    @classmethod
-    def fold(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> ConvBNReLU:
-        """The folded module: w·γ/√(var+ε) and (b − mean)·γ/√(var+ε) + β, in float64, then cast to conv's dtype."""
+    def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        conv, bn = self.conv, self.bn
+        tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+                   if t is not None]
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        cached = self.__dict__.get("_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         with torch.no_grad():
             hi = torch.float64
             scale = torch.rsqrt(bn.running_var.to(hi) + bn.eps)
@@ -109,18 +119,34 @@ class ConvBNReLU(nn.Module):
                 shift = shift + bn.bias.to(hi)
             if conv.bias is not None:
                 shift = shift + conv.bias.to(hi) * scale
-            w = (conv.weight.to(hi) * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype)
+            fmt = torch.channels_last if conv.weight.is_contiguous(memory_format=torch.channels_last) \
+                and not conv.weight.is_contiguous() else torch.contiguous_format
+            w = (conv.weight.to(hi) * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype).contiguous(memory_format=fmt)
             b = shift.to(device=conv.weight.device, dtype=conv.weight.dtype)
-        fmt = torch.channels_last if conv.weight.is_contiguous(memory_format=torch.channels_last) \
-            and not conv.weight.is_contiguous() else torch.contiguous_format
-        return cls(w.contiguous(memory_format=fmt), b, conv.stride, conv.padding, conv.dilation, relu)
+        self.__dict__["_cache"] = (key, (w, b))
+        return w, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return conv2d_bn_relu(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.relu)
+        conv = self.conv
+        if torch.is_grad_enabled() and (conv.weight.requires_grad or x.requires_grad):
+            y = self.bn(F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation))
+            return F.relu(y) if self.relu else y  # torch's graph gives the gradients (eval-mode BN)
+        w, b = self.folded()
+        return conv2d_bn_relu(x, w, b, conv.stride, conv.padding, conv.dilation, self.relu)
 
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding}, dilation={self.dilation}, relu={self.relu}")
+        return f"relu={self.relu}"
+
+
+_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
+
+
+def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An owner's forward after fusion: the fused graph in eval mode; its class's forward in train mode
+    (BatchNorm then uses batch statistics) and while torch.fx traces the model."""
+    if self.training or _fx_tracing():
+        return type(self).forward(self, *args, **kwargs)
+    return self.__dict__["_ops_adv_fused_graph"](*args, **kwargs)
 
 
 class _OneLevel(torch.fx.Tracer):
@@ -151,9 +177,7 @@ def _site(name: str, why: str, fused: bool) -> dict[str, str]:
 
 
 def _conv_refusal(conv: nn.Module) -> str | None:
-    if getattr(type(conv), "_ops_adv_converted", False):
-        return "already converted by convert_model (it folds BatchNorm itself): run fuse_conv_bn_relu first"
-    if type(conv).forward is not nn.Conv2d.forward:
+    if type(conv).forward is not nn.Conv2d.forward and not getattr(type(conv), "_ops_adv_converted", False):
         return f"{type(conv).__name__} overrides Conv2d.forward"
     if conv.groups != 1:
         return f"groups={conv.groups}: conv2d_bn_relu covers groups 1"
@@ -184,7 +208,7 @@ def fuse_conv_bn_relu(model: nn.Module) -> list[dict[str, str]]:
     Each module's own forward is traced with torch.fx (submodules kept as calls). A site fuses when
     the conv's output is read by the BatchNorm alone, and takes the ReLU in when the BatchNorm's
     output is read by one relu alone; the conv and BatchNorm must be called once, from one parent.
-    A forward that changes gets the rewritten graph's code; the BatchNorm becomes nn.Identity.
+    A changed forward runs the rewritten graph in eval mode; conv and BatchNorm modules stay in place.
     Returns one entry per candidate site (a Conv2d feeding a BatchNorm2d) or per refusal, with why.
     """
     if model.training:
@@ -200,6 +224,8 @@ def fuse_conv_bn_relu(model: nn.Module) -> list[dict[str, str]]:
         if not any(isinstance(c, nn.Conv2d) for c in kids.values()) \
                 or not any(isinstance(c, nn.BatchNorm2d) for c in kids.values()):
             continue
+        if "_ops_adv_fused_graph" in owner.__dict__:
+            continue  # fused before
         prefix = owner_name + "." if owner_name else ""
         try:
             graph = _OneLevel().trace(owner)
@@ -219,6 +245,7 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
         if n.op == "call_module":
             calls[n.target] = calls.get(n.target, 0) + 1
     out, changed = [], False
+    sites: dict[str, ConvBNReLU] = {}
     for n in list(graph.nodes):
         bn = modules.get(n.target) if n.op == "call_module" else None
         src = n.args[0] if n.args else None
@@ -245,9 +272,10 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
             continue
         users = list(n.users)
         relu = users[0] if len(users) == 1 and _is_relu(users[0], modules, n) else None
-        fused = ConvBNReLU.fold(conv, bn, relu is not None)
-        setattr(owner, src.target, fused)
-        setattr(owner, n.target, nn.Identity())
+        site = f"_ops_adv_site_{len(sites)}"
+        sites[site] = ConvBNReLU(conv, bn, relu is not None)
+        src.target = site
+        bn.__dict__["_ops_adv_fused"] = True
         n.replace_all_uses_with(src)
         graph.erase_node(n)
         if relu is not None:
@@ -259,8 +287,11 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
         out.append(_site(name, f"fused with {prefix}{n.target}{tail} into ConvBNReLU (folded weight and bias)", True))
     if changed:
         graph.lint()
-        gm = torch.fx.GraphModule(owner, graph, class_name=type(owner).__name__ + "Fused")
-        # The rewritten forward reads the same submodule objects; kept out of owner's children (and state_dict).
+        root = dict(modules)
+        root.update(sites)
+        # The fused forward calls the owner's own submodules and the sites; kept out of owner's
+        # children, so parameters, state_dict keys and .train()/.eval() are the model's as before.
+        gm = torch.fx.GraphModule(root, graph, class_name=type(owner).__name__ + "Fused")
         owner.__dict__["_ops_adv_fused_graph"] = gm
-        owner.forward = gm.forward
+        owner.forward = types.MethodType(_fused_forward, owner)
     return out

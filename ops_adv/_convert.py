@@ -256,6 +256,8 @@ def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
         if not isinstance(conv, nn.Conv2d) or not getattr(type(conv), "_ops_adv_converted", False):
             continue
         bn = modules[n.target]
+        if bn.__dict__.get("_ops_adv_fused"):
+            continue  # runs in a fused conv2d_bn_relu site (see _conv_fused)
         if len(src.users) != 1 or calls[src.target] != 1 or calls[n.target] != 1 or not bn.track_running_stats \
                 or bn.running_var is None:
             out.append({"module": n.target, "type": "BatchNorm2d", "converted": "no",

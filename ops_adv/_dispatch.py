@@ -335,9 +335,10 @@ def op_function(op: str) -> Callable[..., Any]:
     """The function `ops_adv.<op>` for `op`."""
     fn = _OP_FUNCS.get(op)
     if fn is None:
-        from . import _ops
+        import ops_adv
 
-        fn = _OP_FUNCS[op] = getattr(_ops, op, None) or _generic(op)
+        public = getattr(ops_adv, op, None) if op in ops_adv.__all__ else None
+        fn = _OP_FUNCS[op] = public if callable(public) else _generic(op)
     return fn
 
 

@@ -104,7 +104,11 @@ def test_converted_resnet50_matches():
         got = model(x)
         want = ref(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert {op for op, _ in rec.problems()} >= {"conv2d", "gemm"}
+    # eval mode: every conv -> BN (-> ReLU) of ResNet-50 is one conv2d_bn_relu call, state_dict kept
+    assert {op for op, _ in rec.problems()} == {"conv2d_bn_relu", "gemm"}
+    fused = [r for r in ops_adv.explain_model(model) if r["type"] == "Conv2d+BatchNorm2d"]
+    assert len(fused) == 53 and all(r["converted"] == "yes" for r in fused)
+    assert model.state_dict().keys() == ref.state_dict().keys()
     # channels_last stays channels_last, as with torch
     xl = x.contiguous(memory_format=torch.channels_last)
     model_cl = model.to(memory_format=torch.channels_last)
@@ -112,7 +116,9 @@ def test_converted_resnet50_matches():
         torch.testing.assert_close(model_cl(xl), want, rtol=1e-4, atol=1e-4)
 
 
-def test_batch_norms_fold_into_convs_in_eval_mode():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_batch_norms_fold_into_convs_in_eval_mode(fuse):
+    """fuse=False: each BN folds into its conv2d call; fuse=True: conv -> BN (-> ReLU) is one conv2d_bn_relu."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     ref = torchvision.models.resnet18()
@@ -122,15 +128,15 @@ def test_batch_norms_fold_into_convs_in_eval_mode():
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
     ref.eval()
-    model = ops_adv.convert_model(copy.deepcopy(ref))
-    folded = [r for r in ops_adv.explain_model(model) if r["type"] == "BatchNorm2d"]
+    model = ops_adv.convert_model(copy.deepcopy(ref), fuse=fuse)
+    folded = [r for r in ops_adv.explain_model(model) if r["type"] == ("Conv2d+BatchNorm2d" if fuse else "BatchNorm2d")]
     assert len(folded) == 20 and all(r["converted"] == "yes" for r in folded)
     assert list(model.state_dict()) == list(ref.state_dict())
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad(), ops_adv.record() as rec:
         got = model(x)
     torch.testing.assert_close(got, ref(x), rtol=1e-4, atol=1e-4)
-    convs = [p for op, p in rec.problems() if op == "conv2d"]
+    convs = [p for op, p in rec.problems() if op == ("conv2d_bn_relu" if fuse else "conv2d")]
     assert len(convs) >= 10  # distinct problems: ResNet-18 repeats its shapes
     # weights changed in place (a fine-tuning step, a loaded checkpoint) are folded again
     with torch.no_grad():
