@@ -281,3 +281,66 @@ def test_custom_operator_registration():
     q, k, v = _qkv()
     torch.library.opcheck(torch.ops.ops_adv.decode_attention.default, (q, k, v, torch.tensor([4, 0]), True))
     torch.library.opcheck(torch.ops.ops_adv.decode_attention.default, (q, k, v, None, False))
+
+
+# --------------------------------------------------------------------------- sm_90 builds (no GPU needed)
+
+_BUILD = r'''
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernel_space.decode_attention import _kernels as K
+
+def build(dt, BN, heads, group, Sq, splits, warps, stages, lens, causal):
+    names = K._decode_fwd.arg_names
+    const = dict(GROUP=group, HEADS=heads, NUM_SPLITS=splits, HEAD_DIM=128, BLOCK_D=128,
+                 BLOCK_M=max(16, triton.next_power_of_2(heads * Sq)), BLOCK_N=BN, HAS_LENS=lens, CAUSAL=causal,
+                 stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
+    sig = {}
+    for n in names:
+        sig[n] = ("constexpr" if n in const else "*" + dt if n in "QKVO" else "*i32" if n == "LENS"
+                  else "*fp32" if n in ("Part", "Lse") else "fp32" if n == "qk_scale" else "i32")
+    # as at run time: 16-byte aligned pointers, strides divisible by 16 (what makes loads vectorise)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n] != "constexpr" and (sig[n].startswith("*") or n.startswith("stride"))}
+    c = triton.compile(ASTSource(K._decode_fwd, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"STACK:(\d+)", out).group(1))
+
+print(json.dumps([build(*a) for a in json.loads(sys.argv[1])]))
+'''
+
+
+def test_admitted_configs_build_for_sm90_without_spills():
+    """The check's register limits against real sm_90 builds: admitted configs spill nothing, a refused one does."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")):
+        pytest.skip("triton's NVIDIA tools are not installed")
+    cases = [  # (dtype, BLOCK_N, heads, group, Sq, splits, warps, stages, ragged, causal)
+        ("bf16", 64, 4, 4, 1, 8, 4, 2, True, True),
+        ("bf16", 128, 7, 7, 1, 1, 8, 2, False, False),
+        ("bf16", 128, 4, 4, 1, 8, 4, 2, False, False),  # refused: about 176 registers under mma.sync
+    ]
+    for dt, bn, heads, group, sq, splits, warps, stages, ragged, causal in cases[:2]:
+        p = P(8, 8 * group, 8, sq, 16384, 128, ragged, causal, dt)
+        assert check(p, _config(BLOCK_N=bn, num_splits=splits, num_warps=warps, num_stages=stages)) is None
+    dt, bn, heads, group, sq, splits, warps, stages, ragged, causal = cases[2]
+    assert "registers" in check(P(8, 32, 8, sq, 16384, 128, ragged, causal, dt),
+                                _config(BLOCK_N=bn, num_splits=splits, num_warps=warps, num_stages=stages))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _BUILD, json.dumps(cases)], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stacks = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stacks[0] == 0 and stacks[1] == 0 and stacks[2] > 0, stacks
