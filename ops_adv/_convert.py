@@ -294,7 +294,7 @@ def _tune_method(model: nn.Module, *args: Any, **kwargs: Any) -> dict:
 _PREFIX_MASKS: dict[tuple[int, int], bool] = {}
 # When a list, hf_attention_forward appends the route of each call (benchmarks and tests read it; eager only).
 ROUTE_LOG: list[str] | None = None
-DECODE_MAX_QUERY = 16
+DECODE_MAX_QUERY = _ops.DECODE_MAX_QUERY
 
 
 def _ops_adv_mask(*args: Any, **kwargs: Any) -> Any:

@@ -40,6 +40,7 @@ def _traced(*ts: torch.Tensor) -> bool:
 
 # The dispatcher's per-op caches, read directly on the hot path (a function call costs ~150 ns).
 _gemm_cache = cache_for("gemm")
+DECODE_MAX_QUERY = 16  # query rows up to which grouped-head attention runs decode_attention
 _attention_cache = cache_for("attention")
 
 # --------------------------------------------------------------------------- gemm
@@ -98,7 +99,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
               *, causal: bool | None = None) -> torch.Tensor:
     """F.scaled_dot_product_attention's semantics (`causal` is an alias of `is_causal`).
 
-    Masks, dropout, a custom scale, grouped K/V heads and Dv != D run SDPA itself.
+    Grouped K/V heads (`enable_gqa`) with at most 16 query rows and no causal mask run
+    `decode_attention`; masks, dropout, a custom scale, other grouped calls and Dv != D run SDPA itself.
     """
     if causal is not None:
         is_causal = causal
@@ -118,6 +120,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
                 if fn is None:
                     fn = lookup("attention", *key)
                 return fn(q, k, v, bool(is_causal))
+        elif enable_gqa and not is_causal and len(qs) == 4 and len(ks) == 4 and ks == v.shape and ks[1] \
+                and qs[1] != ks[1] and qs[1] % ks[1] == 0 and qs[2] <= DECODE_MAX_QUERY:
+            # grouped K/V heads and a few query rows: the decode op reads K/V once per group, no copy
+            from ._decode import decode_attention
+
+            return decode_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                           scale=scale, enable_gqa=enable_gqa)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import kernel_space
 import ops_adv
 from ops_adv import _table
+from ops_adv.profiler import ProfileContext
 
 
 def _winner(op: str, problem: dict, impl: str, params: dict) -> dict:
@@ -335,3 +336,21 @@ def test_a_token_stream_maps_to_few_problems(tmp_path):
     n = ops_adv.write_misses(str(tmp_path / "misses.json"), top=2)
     data = json.loads((tmp_path / "misses.json").read_text())
     assert n == 2 and data["gemm"][0]["M"] == 320  # the costliest first, bucketed
+
+
+def test_grouped_attention_with_few_queries_runs_the_decode_op():
+    """SDPA's enable_gqa semantics (query head h reads K/V head h // (Hq/Hkv)), through decode_attention."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 3, 16, generator=g)
+    k, v = torch.randn(2, 2, 37, 16, generator=g), torch.randn(2, 2, 37, 16, generator=g)
+    with ProfileContext() as prof:
+        got = ops_adv.attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, enable_gqa=True), atol=1e-5, rtol=1e-5)
+    assert [c["op"] for c in prof.calls] == ["decode_attention"]
+    # a causal or long-query grouped call keeps SDPA's own semantics (top-left causal)
+    for kw, sq in (({"is_causal": True}, 3), ({}, 40)):
+        qq = torch.randn(2, 8, sq, 16, generator=g)
+        with ProfileContext() as prof:
+            got = ops_adv.attention(qq, k, v, enable_gqa=True, **kw)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, **kw))
+        assert prof.calls == []
