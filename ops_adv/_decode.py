@@ -55,10 +55,14 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.T
 
 def _fallback(q, k, v, seq_lens, causal: bool, scale: float | None) -> torch.Tensor:
     """SDPA with decode_attention's semantics, for any call the kernels do not cover."""
+    if seq_lens is not None:
+        if q.dim() != 4:
+            raise ValueError(f"decode_attention: seq_lens needs 4-D q, k, v (B, H, S, D), not q of shape {tuple(q.shape)}")
+        if seq_lens.dtype not in _LENS_DTYPES or tuple(seq_lens.shape) != (q.shape[0],):
+            raise ValueError(f"decode_attention: seq_lens must be an int32 or int64 tensor of shape ({q.shape[0]},), "
+                             f"not {seq_lens.dtype} of shape {tuple(seq_lens.shape)}")
     if q.dim() == 4:
         return sdpa_decode(q, k, v, seq_lens, causal, scale)
-    if seq_lens is not None:
-        raise ValueError(f"decode_attention: seq_lens needs 4-D q, k, v (B, H, S, D), not q of shape {tuple(q.shape)}")
     Sq, Skv = q.shape[-2], k.shape[-2]
     ok = None
     if causal and Sq > 1:

@@ -81,7 +81,7 @@ def test_every_row_without_a_key_is_zero():
     ref = SPEC.reference(q, k, v, lens, causal=True)
     for splits in (1, 2):
         out = get_impl("decode_attention", "triton_decode").bind(_config(num_splits=splits))(q, k, v, lens, True)
-        assert relative_error(out, ref) < 1e-5
+        assert relative_error(out, ref) <= SPEC.tolerance("fp32")  # tf32 dots on a GPU
         assert torch.equal(out[0, :, :2], torch.zeros_like(out[0, :, :2]))  # queries 0, 1 see keys <= -2, -1
         assert torch.equal(out[1], torch.zeros_like(out[1]))
 
@@ -96,7 +96,7 @@ def test_strided_cache_is_read_in_place():
     lens = torch.tensor([41, 64], dtype=torch.int32, device=DEVICE)
     ref = SPEC.reference(q, k, v, lens)
     out = get_impl("decode_attention", "triton_decode").bind(_config(num_splits=2))(q, k, v, lens)
-    assert not k.is_contiguous() and relative_error(out, ref) < 1e-5
+    assert not k.is_contiguous() and relative_error(out, ref) <= SPEC.tolerance("fp32")
     # keys past seq_lens are never read: garbage there changes nothing
     cache_k[0, 41:] = float("nan")
     out2 = get_impl("decode_attention", "triton_decode").bind(_config(num_splits=2))(q, k, v, lens)
@@ -230,6 +230,10 @@ def test_op_fallbacks_keep_the_semantics(decode):
     assert relative_error(out3, SPEC.reference(q[:1], k[:1], v[:1], None, True)[0]) < 1e-5
     with pytest.raises(ValueError, match="seq_lens needs 4-D"):
         decode(q[0], k[0], v[0], lens[:1])
+    with pytest.raises(ValueError, match="int32 or int64 tensor of shape"):
+        decode(q, k, v, lens.float())
+    with pytest.raises(ValueError, match="int32 or int64 tensor of shape"):
+        decode(q, k, v, lens[:1])
     with pytest.raises(RuntimeError):  # 8 query heads over 3 K/V heads: SDPA's own error
         decode(q, torch.randn(2, 3, 24, 16), torch.randn(2, 3, 24, 16))
 
