@@ -88,12 +88,50 @@ if not hasattr(torch.ops.ops_adv, "conv2d_bn_relu"):  # a reload of this module 
 # --------------------------------------------------------------------------- the module and the model pass
 
 
+def fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv's weight and bias with the eval-mode BatchNorm after it folded in (float64, then conv's dtype).
+
+    Cached on the conv and folded again when any of the six tensors changes (load_state_dict, .to(),
+    an in-place edit). Under torch.compile the cached fold is used without that check (reading data
+    pointers breaks the graph: 21 breaks in a converted ResNet-18), unless its dtype or device no
+    longer match; with no cached fold the fold is part of the graph.
+    """
+    cached = conv.__dict__.get("_ops_adv_folded")
+    if torch.compiler.is_compiling():
+        if cached is not None and cached[1][0].dtype == conv.weight.dtype and cached[1][0].device == conv.weight.device:
+            return cached[1]
+        return _fold(conv, bn)
+    tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var) if t is not None]
+    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        folded = _fold(conv, bn)
+    conv.__dict__["_ops_adv_folded"] = (key, folded)
+    return folded
+
+
+def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    hi = torch.float64
+    scale = torch.rsqrt(bn.running_var.to(hi) + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight.to(hi)
+    shift = -bn.running_mean.to(hi) * scale
+    if bn.bias is not None:
+        shift = shift + bn.bias.to(hi)
+    if conv.bias is not None:
+        shift = shift + conv.bias.to(hi) * scale
+    fmt = torch.channels_last if conv.weight.is_contiguous(memory_format=torch.channels_last) \
+        and not conv.weight.is_contiguous() else torch.contiguous_format
+    w = (conv.weight.to(hi) * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype).contiguous(memory_format=fmt)
+    return w, shift.to(device=conv.weight.device, dtype=conv.weight.dtype)
+
+
 class ConvBNReLU(nn.Module):
     """One fused site: the model's own Conv2d and eval-mode BatchNorm2d (and a ReLU) as one conv2d_bn_relu.
 
     It refers to the model's modules without owning them (they stay where they are, with their
-    state_dict keys), and folds them on use: w·γ/√(var+ε) and (b − mean)·γ/√(var+ε) + β in float64,
-    cast to the conv's dtype, cached until a weight or statistic changes (load_state_dict, .to()).
+    state_dict keys), and folds them on use (`fold_bn`): w·γ/√(var+ε) and (b − mean)·γ/√(var+ε) + β.
     """
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool) -> None:
@@ -102,29 +140,7 @@ class ConvBNReLU(nn.Module):
         self.relu = relu
 
     def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        conv, bn = self.conv, self.bn
-        tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
-                   if t is not None]
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
-        cached = self.__dict__.get("_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        with torch.no_grad():
-            hi = torch.float64
-            scale = torch.rsqrt(bn.running_var.to(hi) + bn.eps)
-            if bn.weight is not None:
-                scale = scale * bn.weight.to(hi)
-            shift = -bn.running_mean.to(hi) * scale
-            if bn.bias is not None:
-                shift = shift + bn.bias.to(hi)
-            if conv.bias is not None:
-                shift = shift + conv.bias.to(hi) * scale
-            fmt = torch.channels_last if conv.weight.is_contiguous(memory_format=torch.channels_last) \
-                and not conv.weight.is_contiguous() else torch.contiguous_format
-            w = (conv.weight.to(hi) * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype).contiguous(memory_format=fmt)
-            b = shift.to(device=conv.weight.device, dtype=conv.weight.dtype)
-        self.__dict__["_cache"] = (key, (w, b))
-        return w, b
+        return fold_bn(self.conv, self.bn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.conv
@@ -144,7 +160,10 @@ _fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) 
 def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """An owner's forward after fusion: the fused graph in eval mode; its class's forward in train mode
     (BatchNorm then uses batch statistics) and while torch.fx traces the model."""
-    if self.training or _fx_tracing():
+    pairs = self.__dict__["_ops_adv_fused_pairs"]
+    if self.training or _fx_tracing() or any(m.training for pair in pairs for m in pair):
+        for conv, _ in pairs:  # batch norm in train mode updates its statistics without a version bump
+            conv.__dict__.pop("_ops_adv_folded", None)
         return type(self).forward(self, *args, **kwargs)
     return self.__dict__["_ops_adv_fused_graph"](*args, **kwargs)
 
@@ -274,6 +293,7 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
         relu = users[0] if len(users) == 1 and _is_relu(users[0], modules, n) else None
         site = f"_ops_adv_site_{len(sites)}"
         sites[site] = ConvBNReLU(conv, bn, relu is not None)
+        sites[site].folded()  # folded once now, so a compiled graph finds the fold ready
         src.target = site
         bn.__dict__["_ops_adv_fused"] = True
         n.replace_all_uses_with(src)
@@ -293,5 +313,6 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
         # children, so parameters, state_dict keys and .train()/.eval() are the model's as before.
         gm = torch.fx.GraphModule(root, graph, class_name=type(owner).__name__ + "Fused")
         owner.__dict__["_ops_adv_fused_graph"] = gm
+        owner.__dict__["_ops_adv_fused_pairs"] = [(site.conv, site.bn) for site in sites.values()]
         owner.forward = types.MethodType(_fused_forward, owner)
     return out

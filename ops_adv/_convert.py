@@ -44,29 +44,15 @@ def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
     if bn is not None and not self.training and not bn.training:
         w, b = _folded(self, bn)
         return _ops.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+    if bn is not None:  # batch norm in train mode updates its statistics without a version bump: fold again later
+        self.__dict__.pop("_ops_adv_folded", None)
     return _ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
-    """conv's weight and bias with the eval-mode BatchNorm after it folded in; recomputed when any changes."""
-    tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var) if t is not None]
-    key = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
-    cached = conv.__dict__.get("_ops_adv_folded")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    with torch.no_grad():
-        scale = torch.rsqrt(bn.running_var.float() + bn.eps)
-        if bn.weight is not None:
-            scale = scale * bn.weight.float()
-        shift = -bn.running_mean.float() * scale
-        if bn.bias is not None:
-            shift = shift + bn.bias.float()
-        if conv.bias is not None:
-            shift = shift + conv.bias.float() * scale
-        w = (conv.weight.float() * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype)
-        b = shift.to(conv.weight.dtype)
-    conv.__dict__["_ops_adv_folded"] = (key, (w, b))
-    return w, b
+    from ._conv_fused import fold_bn
+
+    return fold_bn(conv, bn)
 
 
 def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,6 +251,7 @@ def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
             continue
         conv.__dict__["_ops_adv_bn"] = bn  # plain attributes: state_dict keys stay the same
         bn.__dict__["_ops_adv_conv"] = conv
+        _folded(conv, bn)  # folded once now, so a compiled graph finds the fold ready
         _swap(bn, _bn_forward)
         out.append({"module": n.target, "type": "BatchNorm2d", "converted": "yes",
                     "why": f"folded into {src.target} in eval mode (train mode runs both as before)"})

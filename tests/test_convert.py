@@ -148,6 +148,11 @@ def test_batch_norms_fold_into_convs_in_eval_mode(fuse):
     ref.train()
     torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model.bn1.running_mean, ref.bn1.running_mean)
+    # ... and the statistics that step updated (with no version bump) are folded again in eval mode
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.ray
@@ -174,3 +179,18 @@ def test_tune_for_hardware_records_tunes_and_loads(ray_session, sqlite_url, tmp_
     from tuner.problems import load_shapes
 
     assert len(load_shapes(str(shapes), ["gemm", "rms_norm"])) == 2
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compiled_converted_resnet_has_no_graph_breaks(fuse):
+    """The BatchNorm fold is cached at conversion, so torch.compile never reads data pointers (a graph break per conv)."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    ref = torchvision.models.resnet18().eval()
+    model = ops_adv.convert_model(copy.deepcopy(ref), fuse=fuse)
+    x = torch.randn(1, 3, 32, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        e = torch._dynamo.explain(model)(x)
+        assert e.graph_break_count == 0, [r.reason for r in e.break_reasons][:2]
+        torch.testing.assert_close(torch.compile(model, backend="eager")(x), ref(x), rtol=1e-4, atol=1e-4)
