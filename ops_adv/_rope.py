@@ -28,6 +28,7 @@ _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _rope_cache = cache_for("rope")
 _INT = (torch.int64, torch.int32)
+_increment_version = torch.autograd.graph.increment_version
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
@@ -42,6 +43,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         if inplace:
             return q.copy_(qo), k.copy_(ko)
         return qo, ko
+    if inplace and not (_writable(q) and _writable(k)):  # torch's error, which the kernel's raw writes would skip
+        return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
     return _rope(q, k, cos, sin, positions, bool(interleaved), layout, inplace)
 
 
@@ -93,6 +96,14 @@ def _covered(q, k, cos, sin, positions, layout: str) -> bool:
     return ps == (S,) or (nd == 4 and ps == (B, S))
 
 
+def _writable(t: torch.Tensor) -> bool:
+    """Whether torch's in-place ops accept `t` (else the composite runs and raises torch's error, which a
+    kernel's raw writes would skip): not an inference tensor outside inference mode, no overlapping elements."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return False
+    return torch._debug_has_internal_overlap(t) != 1
+
+
 def _bshd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.transpose(1, 2) if layout == "bhsd" else x
 
@@ -101,25 +112,32 @@ def _rope(q, k, cos, sin, positions, interleaved: bool, layout: str, inplace: bo
     """The eager path for a covered call: the tuned implementation, writing into fresh outputs or q and k."""
     qo, ko = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
     q4, k4 = _bshd(q, layout), _bshd(k, layout)
-    D, Hq = q4.shape[-1], q4.shape[-2]
+    D, Hq, Hkv = q4.shape[-1], q4.shape[-2], k4.shape[-2]
     T = q4.numel() // (Hq * D) if Hq else 0
-    if not T or not (Hq or k4.shape[-2]):
-        return (q, k) if inplace else (qo, ko)
-    key = ((T, Hq, k4.shape[-2], D, interleaved, positions is not None, DTYPE_CODE[q.dtype]), q.device)
+    if not (T and Hkv) or q.dtype not in DTYPE_CODE:
+        # no tokens, no heads on one side (the other is still rotated), or float64 (the operator called
+        # directly, as gradcheck does): the composite
+        return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
+    key = ((T, Hq, Hkv, D, interleaved, positions is not None, DTYPE_CODE[q.dtype]), q.device)
     fn = _rope_cache.get(key)
     if fn is None:
         fn = lookup("rope", *key)
     fn(q4, k4, cos, sin, positions, interleaved=interleaved, out=(_bshd(qo, layout), _bshd(ko, layout)))
+    if inplace:  # a kernel's raw writes: tell autograd q and k changed, as torch's in-place ops do
+        _increment_version((q, k))
     return qo, ko
 
 
 def _composite(q, k, cos, sin, positions, interleaved: bool, inplace: bool, layout: str):
     """transformers' formula in torch ops (its exact results); in place, written into q and k."""
+    q0, k0 = q, k
     if layout == "bhsd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     c, s = full_tables(q, cos, sin, positions, interleaved)
     qo = composite(q, c, s, interleaved, q if inplace else None)
     ko = composite(k, c, s, interleaved, k if inplace else None)
+    if inplace:
+        return q0, k0  # the caller's tensors themselves, as the kernel path returns them
     if layout == "bhsd":
         qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
     return qo, ko
