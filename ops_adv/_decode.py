@@ -44,7 +44,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None, causal: bool) -> torch.Tensor:
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    if not (B and Hq and Sq and Skv and D):
+    if not (B and Hq and Sq and Skv and D) or q.dtype not in DTYPE_CODE:  # empty, or the operator called with float64
         return _fallback(q, k, v, seq_lens, causal, None)
     key = ((B, Hq, Hkv, Sq, Skv, D, seq_lens is not None, causal, DTYPE_CODE[q.dtype]), q.device)
     fn = _decode_cache.get(key)
@@ -73,14 +73,16 @@ def _fallback(q, k, v, seq_lens, causal: bool, scale: float | None) -> torch.Ten
 
 
 def _decode_grads(q, k, v, seq_lens, causal: bool, g):
-    """Gradients by the math formula in fp32 (memory Hq x Sq x Skv per sequence); grouped heads sum into their K/V head."""
+    """Gradients by the math formula in fp32 or wider (memory Hq x Sq x Skv per sequence); grouped heads sum
+    into their K/V head."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     rows = Hq // Hkv * Sq
     scale = D ** -0.5
-    qf = q.float().reshape(B, Hkv, rows, D)
-    kf, vf = k.float(), v.float()
-    gf = g.float().reshape(B, Hkv, rows, D)
+    hi = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(hi).reshape(B, Hkv, rows, D)
+    kf, vf = k.to(hi), v.to(hi)
+    gf = g.to(hi).reshape(B, Hkv, rows, D)
     s = qf @ kf.transpose(-1, -2) * scale
     ok = visible(B, Sq, Skv, seq_lens, causal, q.device)
     if ok is not None:
