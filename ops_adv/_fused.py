@@ -111,6 +111,9 @@ def _add_layer_norm(x, residual, weight, bias, eps: float):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """F.silu(gate) * up; with `up` None, `gate` is one [..., 2I] tensor, gate then up (vLLM's SiluAndMul)."""
+    if up is None and (gate.dim() < 1 or gate.shape[-1] % 2):
+        raise ValueError(f"swiglu: a merged gate_up tensor needs an even last dimension (gate then up), not shape "
+                         f"{tuple(gate.shape)}; pass gate and up as two tensors")
     if gate.dim() < 1 or gate.dtype not in DTYPE_CODE or (up is None and gate.shape[-1] % 2) \
             or (up is not None and not _pair_ok(gate, up)):
         return _swiglu_composite(gate, up)
@@ -162,8 +165,9 @@ _lib_ops: dict[str, Any] = {}
 
 
 def _rms_backward(h, weight, eps, g):
-    """dL/dh and dL/dweight of rms_norm(h) * weight, in fp32."""
-    hf, gf, w = h.float(), g.float(), weight.float()
+    """dL/dh and dL/dweight of rms_norm(h) * weight, in fp32 (float64 for float64)."""
+    hi = torch.promote_types(h.dtype, torch.float32)
+    hf, gf, w = h.to(hi), g.to(hi), weight.to(hi)
     rstd = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
     xhat = hf * rstd
     gxhat = gf * w
@@ -173,7 +177,7 @@ def _rms_backward(h, weight, eps, g):
 
 
 def _plus(gh: torch.Tensor, g_res: torch.Tensor | None) -> torch.Tensor:
-    return gh if g_res is None else gh + g_res.float()
+    return gh if g_res is None else gh + g_res.to(gh.dtype)
 
 
 def _define_fused() -> None:
@@ -254,7 +258,8 @@ def _define_fused() -> None:
     def swiglu_backward(ctx, go):
         gate, up = ctx.saved_tensors
         g, u = _split(gate, None if ctx.merged else up)
-        gf, uf, gof = g.float(), u.float(), go.float()
+        hi = torch.promote_types(gate.dtype, torch.float32)
+        gf, uf, gof = g.to(hi), u.to(hi), go.to(hi)
         sig = torch.sigmoid(gf)
         gg = gof * uf * sig * (1 + gf * (1 - sig))
         gu = gof * gf * sig

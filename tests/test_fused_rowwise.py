@@ -189,7 +189,7 @@ def test_runtime_fallbacks_keep_torch_semantics():
     y, h = _fused.add_rms_norm(x, x, None)  # no weight
     assert torch.allclose(y, F.rms_norm(2 * x, (16,)))
     assert _fused.swiglu(_t(0, 8)).shape == (0, 4)  # empty
-    with pytest.raises(RuntimeError):  # an odd merged width: halves of different sizes, as torch refuses
+    with pytest.raises(ValueError, match="even last dimension"):  # an odd merged width: no gate/up halves
         _fused.swiglu(_t(2, 7))
     with pytest.raises(RuntimeError):
         _fused.add_rms_norm(x, _t(4, 15), w)
