@@ -51,7 +51,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' `apply_rotary_pos_emb`: q, k (B, H, S, D) with unsqueeze_dim 1, (B, S, H, D) with 2."""
-    if q.dim() == 4 and cos.dim() == 3 and unsqueeze_dim in (1, 2, -2, -3):
+    # full-width tables only: transformers' formula refuses a (B, S, D/2) table, which rope() would widen
+    if q.dim() == 4 and cos.dim() == 3 and cos.shape[-1] == q.shape[-1] and unsqueeze_dim in (1, 2, -2, -3):
         return rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim in (1, -3) else "bshd")
     c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return composite(q, c, s, False), composite(k, c, s, False)

@@ -128,6 +128,14 @@ def test_rope_inplace_kernel_bumps_version(triton_route):
         y.sum().backward()
 
 
+def test_apply_rotary_pos_emb_refuses_half_width_tables_as_transformers():
+    """transformers' formula cannot broadcast a (B, S, D/2) table against (B, H, S, D): neither may the drop-in."""
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+    cos, sin = _tables(3, 8, torch.float32, False, True)
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        _rope.apply_rotary_pos_emb(q, k, cos[None], sin[None])
+
+
 def test_rope_inplace_refuses_what_torch_refuses(triton_route):
     """In place into an inference tensor outside inference mode, or into an expanded tensor: torch's in-place
     ops raise; the kernel's raw writes used to succeed (the table changed whether the call works)."""
