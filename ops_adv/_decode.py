@@ -24,13 +24,17 @@ from ._ops import _fresh, _traced
 
 _decode_cache = cache_for("decode_attention")
 _LENS_DTYPES = (torch.int32, torch.int64)
+# Under autocast torch's composite runs: autocast casts its ops (linear, SDPA to 16 bits; layer_norm to fp32
+# on CUDA), which the kernels and custom operators would not.
+_autocast = torch._C._is_any_autocast_enabled
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None, *,
                      causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale) v per sequence over its first seq_lens[b] keys, grouped K/V heads, bottom-right causal."""
     dt = q.dtype
-    if scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt and q.dim() == 4 and k.dim() == 4:
+    if scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt and q.dim() == 4 and k.dim() == 4 \
+            and not _autocast():
         qs, ks = q.shape, k.shape
         if ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and ks[1] and qs[1] % ks[1] == 0 and (
                 seq_lens is None or (seq_lens.dim() == 1 and seq_lens.shape[0] == qs[0]

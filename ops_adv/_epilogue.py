@@ -17,6 +17,9 @@ from ._dispatch import cache_for, lookup
 from ._ops import _fresh, _traced
 
 _linear_cache = cache_for("linear")
+# Under autocast torch's composite runs: autocast casts its ops (linear, SDPA to 16 bits; layer_norm to fp32
+# on CUDA), which the kernels and custom operators would not.
+_autocast = torch._C._is_any_autocast_enabled
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -29,7 +32,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     dt = x.dtype
     if x.dim() < 2 or weight.dim() != 2 or weight.dtype is not dt or dt not in DTYPE_CODE \
             or x.shape[-1] != weight.shape[1] or not weight.is_contiguous() or x.device != weight.device \
-            or (bias is not None and (bias.dtype is not dt or bias.shape != weight.shape[:1] or bias.device != x.device)):
+            or (bias is not None and (bias.dtype is not dt or bias.shape != weight.shape[:1] or bias.device != x.device)) \
+            or _autocast():
         return activate(F.linear(x, weight, bias), act)
     if _traced(x, weight, bias):
         return torch.ops.ops_adv.linear(x, weight, bias, act)

@@ -24,6 +24,10 @@ from ._ops import _fresh, _rows_ok, _traced, linear
 
 # --------------------------------------------------------------------------- composites (torch's semantics)
 
+# Under autocast torch's composite runs: autocast casts its ops (layer_norm to fp32 on CUDA), which the
+# kernels and custom operators would not.
+_autocast = torch._C._is_any_autocast_enabled
+
 
 def _rms(h: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
     if hasattr(F, "rms_norm"):
@@ -72,7 +76,7 @@ def _default_eps(x: torch.Tensor) -> float:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                  eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual; (F.rms_norm(h, (h.shape[-1],), weight, eps), h). `eps=None` is torch's default."""
-    if weight is None or not _rows_ok(x, weight) or not _pair_ok(x, residual):
+    if weight is None or not _rows_ok(x, weight) or not _pair_ok(x, residual) or _autocast():
         return _add_rms_composite(x, residual, weight, eps)
     eps = _default_eps(x) if eps is None else float(eps)
     if _traced(x, residual, weight):
@@ -91,7 +95,7 @@ def _add_rms_norm(x, residual, weight, eps: float):
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None = None, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual; (F.layer_norm(h, (h.shape[-1],), weight, bias, eps), h)."""
-    if weight is None or not _rows_ok(x, weight, bias) or not _pair_ok(x, residual):
+    if weight is None or not _rows_ok(x, weight, bias) or not _pair_ok(x, residual) or _autocast():
         return _add_ln_composite(x, residual, weight, bias, eps)
     if _traced(x, residual, weight, bias):
         return torch.ops.ops_adv.add_layer_norm(x, residual, weight, bias, float(eps))
