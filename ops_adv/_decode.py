@@ -37,7 +37,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
             and not _autocast():
         qs, ks = q.shape, k.shape
         if ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and ks[1] and qs[1] % ks[1] == 0 and (
-                seq_lens is None or (seq_lens.dim() == 1 and seq_lens.shape[0] == qs[0]
+                seq_lens is None or (isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 and seq_lens.shape[0] == qs[0]
                                      and seq_lens.dtype in _LENS_DTYPES and seq_lens.device == q.device)):
             if _traced(q, k, v):
                 return torch.ops.ops_adv.decode_attention(q, k, v, seq_lens, bool(causal))
@@ -62,6 +62,9 @@ def _fallback(q, k, v, seq_lens, causal: bool, scale: float | None) -> torch.Ten
     if seq_lens is not None:
         if q.dim() != 4:
             raise ValueError(f"decode_attention: seq_lens needs 4-D q, k, v (B, H, S, D), not q of shape {tuple(q.shape)}")
+        if not isinstance(seq_lens, torch.Tensor):
+            raise TypeError(f"decode_attention: seq_lens must be an int32 or int64 tensor of shape ({q.shape[0]},) "
+                            f"on q's device, not {type(seq_lens).__name__}")
         if seq_lens.dtype not in _LENS_DTYPES or tuple(seq_lens.shape) != (q.shape[0],):
             raise ValueError(f"decode_attention: seq_lens must be an int32 or int64 tensor of shape ({q.shape[0]},), "
                              f"not {seq_lens.dtype} of shape {tuple(seq_lens.shape)}")

@@ -7,6 +7,8 @@ work and fail exactly as torch does; covered calls take the eager dict-lookup pa
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -88,9 +90,10 @@ def _define() -> None:
         # The pre-activation is recomputed (vendor ops) rather than kept: the forward writes only y.
         gz = g if ctx.act == "none" else _activation_grad(g, F.linear(x, weight, bias), ctx.act)
         K, N = weight.shape[1], weight.shape[0]
+        M = math.prod(x.shape[:-1])  # not reshape(-1, ...): K or N may be 0
         gx = torch.matmul(gz, weight) if ctx.needs_input_grad[0] else None
-        gz2 = gz.reshape(-1, N)
-        gw = gz2.t().matmul(x.reshape(-1, K)) if ctx.needs_input_grad[1] else None
+        gz2 = gz.reshape(M, N)
+        gw = gz2.t().matmul(x.reshape(M, K)) if ctx.needs_input_grad[1] else None
         gb = gz2.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None
 

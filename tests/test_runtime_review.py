@@ -285,6 +285,14 @@ def test_linear_activation_property(lead, K, N, act, bias, dtype, wt, grads):
             _close(a, c, dtype)
 
 
+@pytest.mark.parametrize("K,N", [(0, 3), (4, 0)])
+def test_linear_gradient_with_an_empty_dimension(K, N):
+    """Found by test_linear_activation_property: the backward reshaped with -1, which fails when K or N is 0."""
+    x, w = torch.randn(2, K, requires_grad=True), torch.randn(N, K, requires_grad=True)
+    gx, gw = torch.autograd.grad(_epilogue.linear(x, w, None, "relu").sum(), (x, w))
+    assert gx.shape == x.shape and gw.shape == w.shape and not gx.any() and not gw.any()
+
+
 # --------------------------------------------------------------------------- decode_attention
 
 
@@ -309,6 +317,12 @@ def test_decode_property(B, Hkv, G, Sq, Skv, D, lens, causal, int32, grad):
         rq, rv = torch.autograd.grad((decode_reference(qr, k.double(), vr, seq_lens, causal) * go.double()).sum(), (qr, vr))
         _close(gq, rq.float(), torch.float32)
         _close(gv, rv.float(), torch.float32)
+
+
+def test_decode_seq_lens_not_a_tensor_is_a_clear_error():
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="seq_lens must be an int32 or int64 tensor"):  # was AttributeError: no .dim
+        _decode.decode_attention(q, k, k, [3])
 
 
 def test_decode_kernel_clamps_lengths_as_the_fallback(triton_route):
