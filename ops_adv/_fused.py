@@ -184,6 +184,12 @@ def _plus(gh: torch.Tensor, g_res: torch.Tensor | None) -> torch.Tensor:
     return gh if g_res is None else gh + g_res.to(gh.dtype)
 
 
+def _both(ctx, gh: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """x and residual get the same gradient: a copy for the second only when both need it."""
+    need_x, need_r = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    return (gh if need_x else None), ((gh.clone() if need_x else gh) if need_r else None)
+
+
 def _define_fused() -> None:
     """Register `ops_adv::add_rms_norm`, `ops_adv::add_layer_norm`, `ops_adv::swiglu` with fake kernels
     and autograd formulas (torch ops in backward)."""
@@ -211,7 +217,7 @@ def _define_fused() -> None:
         gh, gw = _rms_backward(h, weight, ctx.eps, g)
         gh = _plus(gh, g_res)
         gh = gh.to(h.dtype)
-        return gh, gh.clone(), gw.to(weight.dtype), None  # x and residual get the same gradient
+        return (*_both(ctx, gh), gw.to(weight.dtype), None)
 
     add_rms_norm_op.register_autograd(add_rms_norm_backward, setup_context=add_rms_norm_setup)
 
@@ -241,7 +247,7 @@ def _define_fused() -> None:
         gh, gw, gb = torch.ops.aten.native_layer_norm_backward(g.contiguous(), h, shape, mean, rstd, weight, bias, mask)
         if g_res is not None:
             gh = gh + g_res
-        return gh, gh.clone(), gw, gb, None
+        return (*_both(ctx, gh), gw, gb, None)
 
     add_layer_norm_op.register_autograd(add_layer_norm_backward, setup_context=add_layer_norm_setup)
 
