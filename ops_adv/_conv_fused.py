@@ -30,6 +30,7 @@ _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _cache = cache_for("conv2d_bn_relu")
+_autocast = torch._C._is_any_autocast_enabled
 
 
 def _composite(x, weight, bias, stride, padding, dilation, relu: bool) -> torch.Tensor:
@@ -44,8 +45,8 @@ def conv2d_bn_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     s, p, d = _square(stride), _square(padding), _square(dilation)
     if s is None or p is None or d is None or bias is None or x.dim() != 4 or weight.dim() != 4 \
             or x.dtype not in DTYPE_CODE or weight.dtype is not x.dtype or bias.dtype is not x.dtype \
-            or x.shape[1] != weight.shape[1] or bias.shape != (weight.shape[0],):
-        return _composite(x, weight, bias, stride, padding, dilation, relu)
+            or x.shape[1] != weight.shape[1] or bias.shape != (weight.shape[0],) or _autocast():
+        return _composite(x, weight, bias, stride, padding, dilation, relu)  # autocast casts conv2d, no kernel
     if _grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
         return _composite(x, weight, bias, s, p, d, relu)  # inference op: torch's graph gives the gradients
     if _is_compiling() or _tracing_state() is not None:

@@ -13,6 +13,7 @@ from kernel_space import get_impl, get_op
 from kernel_space.decode_attention.problem import reference as decode_reference
 from kernel_space.linear import activate
 from ops_adv import _decode, _dispatch, _epilogue, _fused, _rope
+from ops_adv._conv_fused import conv2d_bn_relu
 
 O = torch.ops.ops_adv
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -335,17 +336,20 @@ def test_decode_kernel_clamps_lengths_as_the_fallback(triton_route):
 
 
 def test_autocast_gives_torchs_dtypes(triton_route):
-    """Under autocast F.linear and SDPA compute in bf16 (layer_norm in fp32 on CUDA); the kernels, which autocast
+    """Under autocast F.linear, SDPA and conv2d compute in bf16 (layer_norm in fp32 on CUDA); the kernels, which autocast
     does not see, returned fp32: the table changed the result's dtype."""
     x, w, b = torch.randn(4, 16), torch.randn(16, 16), torch.randn(16)
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
     r, nw = torch.randn(4, 16), torch.randn(16)
+    cx, cw, cb = torch.randn(1, 3, 5, 5), torch.randn(4, 3, 3, 3), torch.randn(4)
     cases = [("triton", lambda: _epilogue.linear(x, w, b, "relu"), lambda: F.relu(F.linear(x, w, b))),
              ("triton_decode", lambda: _decode.decode_attention(q, k, v),
               lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
              ("triton_add_layer_norm", lambda: _fused.add_layer_norm(x, r, nw, nw)[0],
               lambda: F.layer_norm(x + r, (16,), nw, nw)),
-             ("triton_add_rms_norm", lambda: _fused.add_rms_norm(x, r, nw)[0], lambda: F.rms_norm(x + r, (16,), nw))]
+             ("triton_add_rms_norm", lambda: _fused.add_rms_norm(x, r, nw)[0], lambda: F.rms_norm(x + r, (16,), nw)),
+             ("triton_implicit_gemm", lambda: conv2d_bn_relu(cx, cw, cb, 1, 1, 1),
+              lambda: F.relu(F.conv2d(cx, cw, cb, 1, 1)))]
     for impl, ours, theirs in cases:
         triton_route(impl)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -400,8 +404,6 @@ def test_custom_operator_gradcheck_float64(case):
 
 def test_export_keeps_the_custom_operators():
     """torch.export on the CPU: each covered call is its `ops_adv::` operator, and the program computes the same."""
-    from ops_adv._conv_fused import conv2d_bn_relu
-
     cos, sin = _tables(3, 8, torch.float32, False, False)
 
     class M(torch.nn.Module):
