@@ -326,6 +326,15 @@ def test_decode_seq_lens_not_a_tensor_is_a_clear_error():
         _decode.decode_attention(q, k, k, [3])
 
 
+def test_decode_inputs_on_several_devices_fail_as_sdpa(triton_route):
+    """k or v on another device than q: SDPA's one-line error, not the kernel's (on a GPU, a bad pointer)."""
+    triton_route("triton_decode")
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
+    for kk, vv in ((k.to("meta"), k), (k, k.to("meta"))):
+        with pytest.raises(RuntimeError, match="same device"):
+            _decode.decode_attention(q, kk, vv)
+
+
 def test_decode_kernel_clamps_lengths_as_the_fallback(triton_route):
     """Negative and longer-than-cache lengths: the Triton kernel sees what the SDPA fallback sees."""
     q, k, v = torch.randn(3, 4, 2, 16), torch.randn(3, 2, 6, 16), torch.randn(3, 2, 6, 16)
