@@ -65,6 +65,9 @@ def _activation_grad(g: torch.Tensor, z: torch.Tensor, act: str) -> torch.Tensor
     if act == "gelu_tanh":
         return torch.ops.aten.gelu_backward(g, z, approximate="tanh")
     if act == "silu":
+        if torch.is_grad_enabled():  # a double backward: silu_backward has no derivative; torch switches likewise
+            s = torch.sigmoid(z)
+            return g * s * (1 + z * (1 - s))
         return torch.ops.aten.silu_backward(g, z)
     return g
 

@@ -393,6 +393,8 @@ GRADCHECK = {
                               None, False, "bshd")),
     "rope_positions_bhsd": lambda: (O.rope, (_d(2, 2, 3, 4, seed=1), _d(2, 1, 3, 4, seed=2), _d(5, 2, seed=3, grad=False),
                                              _d(5, 2, seed=4, grad=False), torch.tensor([4, 0, 2]), False, "bhsd")),
+    "rope_interleaved": lambda: (O.rope, (_d(3, 2, 4, seed=1), _d(3, 1, 4, seed=2), _d(3, 2, seed=3, grad=False),
+                                          _d(3, 2, seed=4, grad=False), None, True, "bshd")),
     "linear_gelu": lambda: (O.linear, (_d(2, 3, 4, seed=1), _d(5, 4, seed=2), _d(5, seed=3), "gelu")),
     "linear_silu_nobias": lambda: (O.linear, (_d(3, 4, seed=1), _d(5, 4, seed=2), None, "silu")),
 }
@@ -409,6 +411,8 @@ def test_custom_operator_gradcheck_float64(case):
         return op(*[next(it) if torch.is_tensor(a) and a.requires_grad else a for a in args])
 
     assert torch.autograd.gradcheck(f, tensors, eps=1e-6, atol=1e-5)
+    # second derivatives too, as the composites have them (linear's silu had none: aten.silu_backward)
+    assert torch.autograd.gradgradcheck(f, tensors, eps=1e-6, atol=1e-4)
 
 
 def test_export_keeps_the_custom_operators():
