@@ -16,6 +16,7 @@ from ops_adv import _decode, _dispatch, _epilogue, _fused, _rope
 from ops_adv._conv_fused import conv2d_bn_relu
 
 O = torch.ops.ops_adv
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton-route tests run (the interpreter on the CPU)
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
@@ -119,9 +120,9 @@ def test_rope_inplace_returns_the_callers_tensors_on_every_path():
 def test_rope_inplace_kernel_bumps_version(triton_route):
     """A tensor another op saved for backward, then rotated in place: autograd must notice, as with torch's ops."""
     triton_route("triton_rope")
-    cos, sin = _tables(3, 8, torch.float32, False, False)
-    p = torch.randn(1, 3, 2, 8, requires_grad=True)
-    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8)
+    cos, sin = (t.to(DEV) for t in _tables(3, 8, torch.float32, False, False))
+    p = torch.randn(1, 3, 2, 8, requires_grad=True, device=DEV)
+    q, k = torch.randn(1, 3, 2, 8, device=DEV), torch.randn(1, 3, 1, 8, device=DEV)
     y = p * q  # saves q for p's gradient
     v = q._version
     _rope.rope(q, k, cos, sin, inplace=True)
@@ -142,15 +143,16 @@ def test_rope_inplace_refuses_what_torch_refuses(triton_route):
     """In place into an inference tensor outside inference mode, or into an expanded tensor: torch's in-place
     ops raise; the kernel's raw writes used to succeed (the table changed whether the call works)."""
     triton_route("triton_rope")
-    cos, sin = _tables(3, 8, torch.float32, False, False)
+    cos, sin = (t.to(DEV) for t in _tables(3, 8, torch.float32, False, False))
     with torch.inference_mode():
-        q = torch.randn(1, 3, 2, 8)
+        q = torch.randn(1, 3, 2, 8, device=DEV)
     with pytest.raises(RuntimeError, match="inference tensor"):
-        _rope.rope(q, torch.randn(1, 3, 1, 8), cos, sin, inplace=True)
+        _rope.rope(q, torch.randn(1, 3, 1, 8, device=DEV), cos, sin, inplace=True)
     with pytest.raises(RuntimeError, match="single memory location"):
-        _rope.rope(torch.randn(1, 1, 2, 8).expand(1, 3, 2, 8), torch.randn(1, 3, 1, 8), cos, sin, inplace=True)
+        expanded = torch.randn(1, 1, 2, 8, device=DEV).expand(1, 3, 2, 8)
+        _rope.rope(expanded, torch.randn(1, 3, 1, 8, device=DEV), cos, sin, inplace=True)
     with torch.inference_mode():  # inside inference mode it is an ordinary in-place call
-        k = torch.randn(1, 3, 1, 8)
+        k = torch.randn(1, 3, 1, 8, device=DEV)
         want = _rope_reference(q, k, cos, sin, None, False, "bshd")
         qo, ko = _rope.rope(q, k, cos, sin, inplace=True)
         assert qo is q and torch.allclose(q, want[0]) and torch.allclose(k, want[1])
@@ -329,7 +331,7 @@ def test_decode_seq_lens_not_a_tensor_is_a_clear_error():
 def test_decode_inputs_on_several_devices_fail_as_sdpa(triton_route):
     """k or v on another device than q: SDPA's one-line error, not the kernel's (on a GPU, a bad pointer)."""
     triton_route("triton_decode")
-    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
+    q, k = torch.randn(1, 4, 1, 16, device=DEV), torch.randn(1, 2, 5, 16, device=DEV)
     for kk, vv in ((k.to("meta"), k), (k, k.to("meta"))):
         with pytest.raises(RuntimeError, match="same device"):
             _decode.decode_attention(q, kk, vv)
@@ -337,8 +339,8 @@ def test_decode_inputs_on_several_devices_fail_as_sdpa(triton_route):
 
 def test_decode_kernel_clamps_lengths_as_the_fallback(triton_route):
     """Negative and longer-than-cache lengths: the Triton kernel sees what the SDPA fallback sees."""
-    q, k, v = torch.randn(3, 4, 2, 16), torch.randn(3, 2, 6, 16), torch.randn(3, 2, 6, 16)
-    lens = torch.tensor([-2, 9, 3])
+    q, k, v = (torch.randn(shape, device=DEV) for shape in ((3, 4, 2, 16), (3, 2, 6, 16), (3, 2, 6, 16)))
+    lens = torch.tensor([-2, 9, 3], device=DEV)
     want = _decode._fallback(q, k, v, lens, True, None)
     triton_route("triton_decode")
     _close(_decode.decode_attention(q, k, v, lens, causal=True), want, torch.float32)
@@ -347,10 +349,10 @@ def test_decode_kernel_clamps_lengths_as_the_fallback(triton_route):
 def test_autocast_gives_torchs_dtypes(triton_route):
     """Under autocast F.linear, SDPA and conv2d compute in bf16 (layer_norm in fp32 on CUDA); the kernels, which autocast
     does not see, returned fp32: the table changed the result's dtype."""
-    x, w, b = torch.randn(4, 16), torch.randn(16, 16), torch.randn(16)
-    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
-    r, nw = torch.randn(4, 16), torch.randn(16)
-    cx, cw, cb = torch.randn(1, 3, 5, 5), torch.randn(4, 3, 3, 3), torch.randn(4)
+    x, w, b = torch.randn(4, 16, device=DEV), torch.randn(16, 16, device=DEV), torch.randn(16, device=DEV)
+    q, k, v = (torch.randn(shape, device=DEV) for shape in ((1, 4, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16)))
+    r, nw = torch.randn(4, 16, device=DEV), torch.randn(16, device=DEV)
+    cx, cw, cb = torch.randn(1, 3, 5, 5, device=DEV), torch.randn(4, 3, 3, 3, device=DEV), torch.randn(4, device=DEV)
     cases = [("triton", lambda: _epilogue.linear(x, w, b, "relu"), lambda: F.relu(F.linear(x, w, b))),
              ("triton_decode", lambda: _decode.decode_attention(q, k, v),
               lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
@@ -361,7 +363,7 @@ def test_autocast_gives_torchs_dtypes(triton_route):
               lambda: F.relu(F.conv2d(cx, cw, cb, 1, 1)))]
     for impl, ours, theirs in cases:
         triton_route(impl)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
             got, want = ours(), theirs()
         _close(got, want, torch.bfloat16)
         got.float().sum()  # and outside autocast the kernel serves the call again
