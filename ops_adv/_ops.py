@@ -25,6 +25,8 @@ from ._dispatch import cache_for, lookup
 _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
+# Under autocast torch's own function runs: autocast picks its dtypes (a kernel would return the input dtype).
+_autocast = torch._C._is_any_autocast_enabled
 
 
 def _traced(*ts: torch.Tensor) -> bool:
@@ -48,7 +50,7 @@ _attention_cache = cache_for("attention")
 
 def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul(a, b); 2-D fp16/bf16/fp32 products run the tuned kernel."""
-    if a.dim() != 2 or b.dim() != 2 or a.dtype is not b.dtype or a.dtype not in DTYPE_CODE:
+    if a.dim() != 2 or b.dim() != 2 or a.dtype is not b.dtype or a.dtype not in DTYPE_CODE or _autocast():
         return torch.matmul(a, b)
     if _is_compiling() or _tracing_state() is not None or (_grad_enabled() and (a.requires_grad or b.requires_grad)):
         return torch.ops.ops_adv.gemm(a, b)
@@ -82,7 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return fused(x, weight, bias, activation)
     if x.dim() < 1 or weight.dim() != 2 or x.dtype is not weight.dtype or x.dtype not in DTYPE_CODE \
             or (bias is not None and (bias.dtype is not x.dtype or bias.dim() != 1)) or x.shape[-1] != weight.shape[1] \
-            or x.numel() == 0:
+            or x.numel() == 0 or _autocast():
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
     y = gemm(x.reshape(-1, x.shape[-1]), weight.t())
@@ -105,7 +107,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     if causal is not None:
         is_causal = causal
     dt = q.dtype
-    if attn_mask is None and not dropout_p and scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt:
+    if attn_mask is None and not dropout_p and scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt \
+            and not _autocast():
         qs, ks = q.shape, k.shape
         # 4-D, the same heads and head dim for q, k and v (no grouped K/V, Dv == D)
         if len(qs) == 4 and ks == v.shape and len(ks) == 4 and ks[1] == qs[1] and ks[3] == qs[3] and ks[0] == qs[0]:
@@ -147,7 +150,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
 
 
 def _rows_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    if x.dim() < 1 or x.dtype not in DTYPE_CODE:
+    if x.dim() < 1 or x.dtype not in DTYPE_CODE or _autocast():
         return False
     cols = x.shape[-1]
     for p in params:
@@ -195,7 +198,7 @@ def _rms_norm(x, weight, eps: float) -> torch.Tensor:
 
 def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch.softmax(x, dim, dtype); the last dimension without a dtype change runs the tuned kernel."""
-    if dtype is not None or x.dim() < 1 or dim not in (-1, x.dim() - 1) or x.dtype not in DTYPE_CODE:
+    if dtype is not None or x.dim() < 1 or dim not in (-1, x.dim() - 1) or x.dtype not in DTYPE_CODE or _autocast():
         return torch.softmax(x, dim, dtype=dtype)
     if _traced(x):
         return torch.ops.ops_adv.softmax(x)
@@ -227,7 +230,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     s, p, d = _square(stride), _square(padding), _square(dilation)
     if s is None or p is None or d is None or groups != 1 or x.dim() != 4 or weight.dim() != 4 \
             or x.dtype not in DTYPE_CODE or weight.dtype is not x.dtype or x.shape[1] != weight.shape[1] \
-            or (bias is not None and bias.dtype is not x.dtype):
+            or (bias is not None and bias.dtype is not x.dtype) or _autocast():
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if _traced(x, weight, bias):
         return torch.ops.ops_adv.conv2d(x, weight, bias, s, p, d)

@@ -354,3 +354,23 @@ def test_grouped_attention_with_few_queries_runs_the_decode_op():
             got = ops_adv.attention(qq, k, v, enable_gqa=True, **kw)
         torch.testing.assert_close(got, F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, **kw))
         assert prof.calls == []
+
+
+def test_autocast_gives_torchs_dtypes():
+    """Under autocast every op is torch's own function, so the output dtypes are autocast's."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(6, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+    img, k = torch.randn(1, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    q = torch.randn(1, 2, 5, 8, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cases = [
+            (ops_adv.linear(x, w, b), F.linear(x, w, b)),
+            (ops_adv.gemm(x, w.t()), torch.matmul(x, w.t())),
+            (ops_adv.conv2d(img, k, padding=1), F.conv2d(img, k, padding=1)),
+            (ops_adv.attention(q, q, q), F.scaled_dot_product_attention(q, q, q)),
+            (ops_adv.layer_norm(x, torch.ones(16), None), F.layer_norm(x, (16,), torch.ones(16))),
+            (ops_adv.softmax(x), torch.softmax(x, -1)),
+        ]
+    for got, want in cases:
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
