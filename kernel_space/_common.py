@@ -68,3 +68,18 @@ def canonical_dtype(name: object) -> str | None:
         return None
     text = name.strip().lower()
     return _DTYPE_ALIASES.get(text[6:] if text.startswith("torch.") else text)
+
+
+def conv_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **kw) -> torch.Tensor:
+    """F.conv2d in float64 on the CPU, or in true float32 on a GPU (no TF32), for references.
+
+    cuDNN's TF32 switch is set through its flags() context: with torch's test utilities loaded,
+    assigning the global flag raises.
+    """
+    import torch.nn.functional as F
+
+    if x.device.type == "cpu":
+        return F.conv2d(x.double(), weight.double(), None if bias is None else bias.double(), **kw)
+    c = torch.backends.cudnn
+    with c.flags(enabled=c.enabled, benchmark=c.benchmark, deterministic=c.deterministic, allow_tf32=False):
+        return F.conv2d(x.float(), weight.float(), None if bias is None else bias.float(), **kw)

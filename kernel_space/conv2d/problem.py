@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
+from .._common import DTYPE_CODE, ITEMSIZE, conv_fp32, generator, randn, tolerance
 from .._registry import OpSpec, register_op
 
 
@@ -55,14 +55,7 @@ def make_inputs(p: Conv2dProblem, device, seed: int = 0):
 
 
 def reference(x, weight, stride: int = 1, padding: int = 0, dilation: int = 1) -> torch.Tensor:
-    if x.device.type == "cpu":
-        return F.conv2d(x.double(), weight.double(), stride=stride, padding=padding, dilation=dilation)
-    prev = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        return F.conv2d(x.float(), weight.float(), stride=stride, padding=padding, dilation=dilation)
-    finally:
-        torch.backends.cudnn.allow_tf32 = prev
+    return conv_fp32(x, weight, None, stride=stride, padding=padding, dilation=dilation)
 
 
 def _flops(p: Conv2dProblem) -> float:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
+from .._common import DTYPE_CODE, ITEMSIZE, conv_fp32, generator, randn, tolerance
 from .._registry import OpSpec, register_op
 from ..conv2d.problem import _RESNET50, out_hw
 
@@ -52,13 +52,7 @@ def make_inputs(p: ConvBnReluProblem, device, seed: int = 0):
 
 
 def reference(x, weight, bias, stride: int = 1, padding: int = 0, dilation: int = 1, relu: bool = True) -> torch.Tensor:
-    hi = torch.float64 if x.device.type == "cpu" else torch.float32
-    prev = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        y = F.conv2d(x.to(hi), weight.to(hi), bias.to(hi), stride=stride, padding=padding, dilation=dilation)
-    finally:
-        torch.backends.cudnn.allow_tf32 = prev
+    y = conv_fp32(x, weight, bias, stride=stride, padding=padding, dilation=dilation)
     return torch.relu(y) if relu else y
 
 
