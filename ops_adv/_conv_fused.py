@@ -102,8 +102,12 @@ def fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Te
         if cached is not None and cached[1][0].dtype == conv.weight.dtype and cached[1][0].device == conv.weight.device:
             return cached[1]
         return _fold(conv, bn)
-    tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var) if t is not None]
-    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    # Read through the modules' dicts (nn.Module.__getattr__ costs ~0.3 µs a name): 8 → 2.5 µs a call here.
+    # The weight's dtype and device: a freed tensor's address can come back for its converted copy.
+    cp, bp, bb = conv._parameters, bn._parameters, bn._buffers
+    w = cp["weight"]
+    key = (w.dtype, w.device) + tuple((t.data_ptr(), t._version) for t in (
+        w, cp.get("bias"), bp.get("weight"), bp.get("bias"), bb["running_mean"], bb["running_var"]) if t is not None)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
@@ -145,7 +149,7 @@ class ConvBNReLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.conv
-        if torch.is_grad_enabled() and (conv.weight.requires_grad or x.requires_grad):
+        if torch.is_grad_enabled() and (conv._parameters["weight"].requires_grad or x.requires_grad):
             y = self.bn(F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation))
             return F.relu(y) if self.relu else y  # torch's graph gives the gradients (eval-mode BN)
         w, b = self.folded()
