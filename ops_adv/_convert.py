@@ -64,9 +64,16 @@ def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _library_rms_forward(self, x: torch.Tensor) -> torch.Tensor:
     # The library's own forward (fp32 statistics, then its casts) where dtypes differ.
-    if x.dtype is not self.weight.dtype:
+    w = self._parameters["weight"]
+    if x.dtype is not w.dtype:
         return super(type(self), self).forward(x)
-    return _ops.rms_norm(x, self.weight, float(getattr(self, _eps_attr(self))))
+    name = _EPS_NAMES.get(type(self))
+    if name is None:  # a missing name costs ~1.5 µs through nn.Module.__getattr__: found once per class
+        name = _EPS_NAMES[type(self)] = _eps_attr(self)
+    return _ops.rms_norm(x, w, float(getattr(self, name)))
+
+
+_EPS_NAMES: dict[type, str] = {}
 
 
 _FORWARDS = {
