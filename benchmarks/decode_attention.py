@@ -187,7 +187,7 @@ def bench_problem(name, p, device, copy_bw, rounds: int) -> dict:
         except Exception as e:  # a backend refusing the call is a result, not a crash
             return f"error: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
-    timers = {}
+    timers, why = {}, None
     backend = "cpu" if device == "cpu" else "cuda"
     for v in VENDORS if device != "cpu" else ("sdpa",):
         impl = get_impl("decode_attention", v)
@@ -204,6 +204,7 @@ def bench_problem(name, p, device, copy_bw, rounds: int) -> dict:
     configs = list(triton_configs(p, 132)) if device != "cpu" else [
         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "num_splits": 1, "HEADS_PER_PROGRAM": 0},
         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "num_splits": 4, "HEADS_PER_PROGRAM": 0}]
+    t = None
     for i, c in enumerate(configs):
         t = admit(f"triton{i}", lambda *a, f=impl.bind(c): f(*a, **attrs))
         if isinstance(t, Timer):
@@ -228,7 +229,7 @@ def bench_problem(name, p, device, copy_bw, rounds: int) -> dict:
             row["copy_fraction"] = kvb / (ok_t[best] / 1e6) / copy_bw
         if ok_v:
             row["speedup_vs_best_sdpa"] = ok_v[row["best_vendor"]] / ok_t[best]
-    del inputs, timers
+    inputs = timers = why = t = None  # the graphs and their K/V copies: freed before the next problem's
     if device != "cpu":
         torch.cuda.empty_cache()
     return row
@@ -255,7 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per problem (median)")
-    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--out", help="write the results as JSON here (rewritten after every problem)")
+    ap.add_argument("--deadline-s", type=float, default=170.0,
+                    help="skip the problems left after this many seconds (one problem takes ~1-10 s)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
@@ -272,11 +275,25 @@ def main(argv=None) -> int:
     print(f"decode_attention on {dev_name}; torch {torch.__version__}; times in µs per call, CUDA graphs over "
           f"enough K/V copies to keep L2 cold (>= {L2_COLD_BYTES >> 20} MiB a graph)"
           + (f"; copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)" if copy_bw else ""))
-    rows = []
+    rows, skipped = [], []
+    meta = {"device": dev_name, "torch": torch.__version__, "copy_bandwidth_Bps": copy_bw,
+            "l2": f"cold: each graph reads >= {L2_COLD_BYTES >> 20} MiB of distinct K/V caches"}
+
+    def write(summary=None) -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows, "skipped": skipped}, indent=1))
+
     for name, p in problems(args.quick, args.device):
+        if time.perf_counter() - t0 > args.deadline_s:
+            skipped.append({"model": name, "problem": p._asdict()})
+            continue
         row = bench_problem(name, p, args.device, copy_bw, 1 if args.device == "cpu" else args.rounds)
         rows.append(row)
         print(fmt(row), flush=True)
+        write()
+    if skipped:
+        print(f"skipped {len(skipped)} problems past --deadline-s {args.deadline_s:g}")
     # the targets of issue 11
     fast = [r for r in rows if r["problem"]["B"] <= 8 and 1024 <= r["problem"]["Skv"] <= 16384 and "speedup_vs_best_sdpa" in r]
     bw = [r for r in rows if r["problem"]["Skv"] >= 4096 and "copy_fraction" in r]
@@ -290,11 +307,7 @@ def main(argv=None) -> int:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(summary))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"device": dev_name, "torch": torch.__version__, "copy_bandwidth_Bps": copy_bw,
-                "l2": f"cold: each graph reads >= {L2_COLD_BYTES >> 20} MiB of distinct K/V caches"}
-        Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    write(summary)
     return 0
 
 

@@ -33,6 +33,7 @@ import inspect
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -137,14 +138,26 @@ class Models:
 
 
 def run_variants(case: str, fns: dict[str, Callable[[], Any]], prep: Callable[[], Any] | None, dev: torch.device,
-                 rounds: int, reps: int, warmup: int) -> dict[str, list[float]]:
-    for v, fn in fns.items():
+                 rounds: int, reps: int, warmup: int, errors: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """Warm-up (compiles) then interleaved rounds. A variant other than eager that fails its warm-up is
+    dropped from `fns` and its error put in `errors`: one broken variant must not end the run."""
+    for v, fn in list(fns.items()):
         t0 = time.perf_counter()
-        for _ in range(warmup):
-            if prep is not None:
-                prep()
-            fn()
-        sync(dev)
+        try:
+            for _ in range(warmup):
+                if prep is not None:
+                    prep()
+                fn()
+            sync(dev)
+        except Exception as e:
+            if v == "eager" or errors is None:
+                raise
+            errors[v] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log(f"  {case} {v}: failed in warm-up: {errors[v]}")
+            del fns[v]
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            continue
         log(f"  {case} {v}: warm-up {time.perf_counter() - t0:.1f} s")
     samples: dict[str, list[float]] = {v: [] for v in fns}
     order = list(fns)
@@ -267,7 +280,8 @@ def prefill_case(family: str, models: Models, B: int, S: int, args: Any, dev: to
     fns = {v: (lambda m=models.get(v, None): m(ids).logits) for v in models.variants}
     case = {"group": f"{family}-prefill", "case": f"{family} prefill B={B} S={S}", "family": family, "kind": "prefill",
             "B": B, "S": S, "layers": args.layers, "graphs": {v: False for v in fns}}
-    samples = run_variants(case["case"], fns, None, dev, args.rounds, 1, 2)
+    case["graph_errors"] = {}
+    samples = run_variants(case["case"], fns, None, dev, args.rounds, 1, 2, case["graph_errors"])
     case["head_ms"] = head_times(models, ids, dev, 3)
     outs = {v: fn().float().cpu() if dev.type == "cpu" else fn().clone() for v, fn in fns.items()}
     summarise(case, samples, outs)
@@ -316,7 +330,7 @@ def decode_case(family: str, models: Models, B: int, ctx: int, args: Any, dev: t
     case = {"group": f"{family}-decode", "case": f"{family} decode B={B} ctx={ctx}", "family": family, "kind": "decode",
             "B": B, "ctx": ctx, "capacity": capacity, "layers": args.layers, "graphs": graphs, "graph_errors": errors}
     skips = cudagraph_skips()
-    samples = run_variants(case["case"], fns, prep, dev, args.rounds, args.reps, 3)
+    samples = run_variants(case["case"], fns, prep, dev, args.rounds, args.reps, 3, errors)
     case["head_ms"] = head_times(models, tok, dev, 10)
     if cudagraph_skips() > skips:  # inductor fell back to no graphs for some compiled graph: say so
         case["graph_errors"]["compiled"] = "inductor skipped CUDA graphs for a graph (see the log's 'skipping cudagraphs')"
@@ -365,39 +379,42 @@ def capture(fn: Callable[[], torch.Tensor], prep: Callable[[], Any]) -> Callable
     return replay
 
 
-def decoder_cases(family: str, args: Any, dev: torch.device, dtype: torch.dtype, groups: set[str]) -> list[dict]:
+def decoder_cases(family: str, args: Any, dev: torch.device, dtype: torch.dtype, groups: set[str],
+                  done: Callable[[dict], None]) -> None:
+    """Runs the family's cases, handing each to `done` as it ends (a killed run keeps the finished ones)."""
     log(f"build {family} ({args.size}, {args.layers} layers, {dtype})")
     models = Models(build_decoder(family, args, dev, dtype), args.variants)
-    rows = []
+    explain = explain_summary(models.base["converted"]) if "converted" in models.base else None
+
+    def add(row: dict) -> None:
+        if explain is not None:
+            row["explain"] = explain
+        done(row)
+
     with torch.no_grad():
         if family == "llama":
             if "llama-prefill" in groups:
                 for B, S in args.prefill:
-                    rows.append(prefill_case(family, models, B, S, args, dev))
+                    add(prefill_case(family, models, B, S, args, dev))
             if "llama-decode" in groups:
                 for ctx in args.contexts:
                     for B in args.decode_batch:
-                        rows.append(decode_case(family, models, B, ctx, args, dev, dtype))
+                        add(decode_case(family, models, B, ctx, args, dev, dtype))
         else:
             B, S = args.qwen_prefill
-            rows.append(prefill_case(family, models, B, S, args, dev))
+            add(prefill_case(family, models, B, S, args, dev))
             B, ctx = args.qwen_decode
-            rows.append(decode_case(family, models, B, ctx, args, dev, dtype))
-    if "converted" in models.base:
-        for r in rows:
-            r["explain"] = explain_summary(models.base["converted"])
-    return rows
+            add(decode_case(family, models, B, ctx, args, dev, dtype))
 
 
 # --------------------------------------------------------------------------- ResNet-50
 
 
-def resnet_cases(args: Any, dev: torch.device, dtype: torch.dtype) -> list[dict]:
+def resnet_cases(args: Any, dev: torch.device, dtype: torch.dtype, done: Callable[[dict], None]) -> None:
     import torchvision
 
     torch.manual_seed(0)
     base = torchvision.models.resnet50().to(dev, dtype).eval()
-    rows = []
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.image_batch, 3, args.image_size, args.image_size, generator=g).to(dev, dtype)
     cl = torch.channels_last
@@ -409,22 +426,22 @@ def resnet_cases(args: Any, dev: torch.device, dtype: torch.dtype) -> list[dict]
         case = {"group": "resnet", "case": f"resnet50 inference {layout} B={args.image_batch} {args.image_size}px",
                 "kind": "inference", "layout": layout, "graphs": {v: False for v in fns}}
         with torch.no_grad():
-            samples = run_variants(case["case"], fns, None, dev, args.rounds, 1, 2)
+            case["graph_errors"] = {}
+            samples = run_variants(case["case"], fns, None, dev, args.rounds, 1, 2, case["graph_errors"])
             outs = {v: fn().float().clone() for v, fn in fns.items()}
             summarise(case, samples, outs)
             if "converted" in models.base:
                 case["implementations"] = profile_converted(lambda: models.base["converted"](x), None)
                 case["explain"] = explain_summary(models.base["converted"])
-        rows.append(case)
+        done(case)
         del models, fns
-    rows.append(resnet_training(base, x0, args, dev))
-    return rows
+    done(resnet_training(base, x0, args, dev))
 
 
 def resnet_training(base: torch.nn.Module, x0: torch.Tensor, args: Any, dev: torch.device) -> dict:
     cl = dev.type == "cuda"  # channels_last on CUDA, as training scripts run it
     x = x0.contiguous(memory_format=torch.channels_last) if cl else x0
-    steps, grads = {}, {}
+    steps, grads, failed = {}, {}, {}
     for v in args.variants:
         m = copy.deepcopy(base).train()
         if cl:
@@ -443,7 +460,14 @@ def resnet_training(base: torch.nn.Module, x0: torch.Tensor, args: Any, dev: tor
             return loss
 
         t0 = time.perf_counter()
-        step(update=False)  # one step from the shared weights: its gradients are compared (and it compiles)
+        try:
+            step(update=False)  # one step from the shared weights: its gradients are compared (and it compiles)
+        except Exception as e:
+            if v == "eager":
+                raise
+            failed[v] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log(f"  resnet50 training {v}: failed: {failed[v]}")
+            continue
         log(f"  resnet50 training {v}: first step {time.perf_counter() - t0:.1f} s")
         grads[v] = [p.grad.detach().float().clone() for p in m.parameters()]
         steps[v] = step
@@ -452,11 +476,12 @@ def resnet_training(base: torch.nn.Module, x0: torch.Tensor, args: Any, dev: tor
         errs[v] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(gs, grads["eager"]))
     del grads
     case = {"group": "resnet", "case": f"resnet50 training step B={args.image_batch} {args.image_size}px"
-            f"{' channels_last' if cl else ''}", "kind": "training", "graphs": {v: False for v in steps}}
-    samples = run_variants(case["case"], steps, None, dev, args.rounds, 1, 1)
+            f"{' channels_last' if cl else ''}", "kind": "training", "graphs": {v: False for v in steps}, "graph_errors": failed}
+    samples = run_variants(case["case"], steps, None, dev, args.rounds, 1, 1, failed)
     summarise(case, samples, {})
     for v, e in errs.items():
-        case["variants"][v]["grad_rel_err"] = e
+        if v in case["variants"]:
+            case["variants"][v]["grad_rel_err"] = e
     return case
 
 
@@ -523,7 +548,7 @@ def markdown(info: dict, rows: list[dict], targets: list[dict]) -> str:
                            f"{f('vs_compile', '{:.2f}')} | {f('kl', '{:.1e}')} | {f('top1', '{:.2%}')} | "
                            f"{f('grad_rel_err', '{:.1e}')} | {'yes' if r['graphs'].get(v) else 'no'} |")
             for v, e in (r.get("graph_errors") or {}).items():
-                out.append(f"| {r['case']} | {v} | not capturable: {e} | | | | | | | |")
+                out.append(f"| {r['case']} | {v} | not run: {e} | | | | | | | |")
         out.append("")
     out += ["## Targets", ""]
     for t in targets:
@@ -570,14 +595,16 @@ def plot(rows: list[dict], path: Path) -> str:
     return f"wrote {path}"
 
 
-def write(out: Path, info: dict, rows: list[dict]) -> None:
+def write(out: Path, info: dict, rows: list[dict], final: bool = True) -> None:
+    """e2e.json and e2e.md (after every case, `final` False: no print, no plot), e2e.png at the end."""
     targets = target_lines(rows)
     md = markdown(info, rows, targets)
-    print(md)
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps({"info": info, "rows": rows, "targets": targets}, indent=1))
     (out / "e2e.md").write_text(md)
-    log(plot(rows, out / "e2e.png"))
+    if final:
+        print(md)
+        log(plot(rows, out / "e2e.png"))
 
 
 # --------------------------------------------------------------------------- main
@@ -700,22 +727,37 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(), "compile_modes": "decode: reduce-overhead (CUDA graphs); prefill, ResNet: default"}
     log(f"cases {sorted(groups)}, variants {args.variants}")
     rows: list[dict] = []
-    if groups & {"llama-prefill", "llama-decode"}:
-        rows += decoder_cases("llama", args, dev, dtype, groups)
-        torch._dynamo.reset()
-    if "qwen" in groups:
-        rows += decoder_cases("qwen", args, dev, dtype, groups)
-        torch._dynamo.reset()
-    if "resnet" in groups:
-        log("build resnet50")
-        rows += resnet_cases(args, dev, dtype)
-    if gpu:
-        info["max_memory_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
-    info["seconds"] = round(time.perf_counter() - T0, 1)
-    if args.out:
-        write(Path(args.out), info, rows)
-    else:
-        print(markdown(info, rows, target_lines(rows)))
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        info["seconds"] = round(time.perf_counter() - T0, 1)
+        if args.out:
+            write(Path(args.out), dict(info, partial=True), rows, final=False)
+        log(f"case done: {row['case']}")
+
+    # `timeout` ends a run with SIGTERM: leave through the finally below (the report of the cases done)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    try:
+        if groups & {"llama-prefill", "llama-decode"}:
+            decoder_cases("llama", args, dev, dtype, groups, done)
+            torch._dynamo.reset()
+        if "qwen" in groups:
+            decoder_cases("qwen", args, dev, dtype, groups, done)
+            torch._dynamo.reset()
+        if "resnet" in groups:
+            log("build resnet50")
+            resnet_cases(args, dev, dtype, done)
+    except BaseException as e:  # SIGTERM (SystemExit), ^C or an error: the report says the run was cut short
+        info["stopped"] = f"{type(e).__name__}: {str(e)[:200]}"
+        raise
+    finally:
+        if gpu:
+            info["max_memory_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
+        info["seconds"] = round(time.perf_counter() - T0, 1)
+        if args.out:
+            write(Path(args.out), info, rows)
+        else:
+            print(markdown(info, rows, target_lines(rows)))
     return 0
 
 

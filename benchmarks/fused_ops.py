@@ -307,7 +307,12 @@ def main(argv: list[str] | None = None) -> int:
                     if time.perf_counter() - t0 > args.deadline_s:
                         skipped.append(f"{op} {model} {rows}")
                         continue
-                    r = measure(op, rows, cols, args, device, copy_bw, compiled)
+                    try:
+                        r = measure(op, rows, cols, args, device, copy_bw, compiled)
+                    except Exception as e:  # one problem's failure is reported; the others still run
+                        skipped.append(f"{op} {model} {rows}: {type(e).__name__}: {str(e)[:200]}")
+                        print(f"{op} {model} rows={rows}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
                     r["model"] = model
                     results.append(r)
                     write()
@@ -323,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in missed:
         print(f"  missed {m}")
     if skipped:
-        print(f"skipped past --deadline-s {args.deadline_s:g}: {', '.join(skipped)}")
+        print(f"skipped (past --deadline-s {args.deadline_s:g}, or failed): {', '.join(skipped)}")
     write()
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 0

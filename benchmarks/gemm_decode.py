@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -180,16 +181,22 @@ def bench_decode(args, torch, dev, timer: Timer, bw: float, rows: list[dict]) ->
         copies = max(2, math.ceil(L2_FLUSH_BYTES / w_bytes)) if dev.type == "cuda" else 2
         ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
         for M in ms:
+            if time.perf_counter() - T0 > args.deadline_s * 0.6:
+                log(f"decode {model} {layer} M={M}: skipped, past 60% of --deadline-s {args.deadline_s:.0f}")
+                continue
             p = GemmProblem(M, N, K, "bf16" if dt == torch.bfloat16 else "fp16", False, True)
             x = torch.randn(M, K, device=dev, dtype=dt)
             sets = [(x, w.t()) for w in ws]
             cands = {"cublas": timer.build(lambda a, b: a @ b, sets)}
             configs = decode_configs(impl.check, p, args.quick)
-            if not configs:
-                log(f"decode {p}: no valid config in the sweep")
-                continue
             for i, c in enumerate(configs):
-                cands[f"c{i}"] = timer.build(impl.bind(c), sets)
+                try:  # a config that fails to compile or launch is reported, not fatal
+                    cands[f"c{i}"] = timer.build(impl.bind(c), sets)
+                except Exception as e:
+                    log(f"  {c}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            if len(cands) == 1:
+                log(f"decode {p}: no config of the sweep ran")
+                continue
             t = timer.compare(cands)
             best = min((k for k in t if k != "cublas"), key=t.get)
             cfg = configs[int(best[1:])]
@@ -308,6 +315,9 @@ def bench_tiled(args, torch, dev, timer: Timer, rows: list[dict]) -> None:
                 cands[f"c{i}"] = timer.build(lambda f=bound(c): f(a, b), [()])
             except Exception as e:
                 log(f"  {c}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        if len(cands) == 1:
+            log(f"tiled {p}: no config of the sweep ran")
+            continue
         t = timer.compare(cands)
         best = min((k for k in t if k != "cublas"), key=t.get)
         cfg = configs[int(best[1:])]
@@ -361,9 +371,12 @@ def bench_linear(args, torch, dev, timer: Timer, rows: list[dict]) -> None:
         configs = [c for c in configs if impl.check(p, c) is None]
         for i, c in enumerate(configs):
             f = impl.bind(c)
-            cands[f"c{i}"] = timer.build(lambda x, w, b, f=f: f(x, w, b, act), sets)
-        if not configs:
-            log(f"linear {p}: no valid config in the sweep")
+            try:  # a config that fails to compile or launch is reported, not fatal
+                cands[f"c{i}"] = timer.build(lambda x, w, b, f=f: f(x, w, b, act), sets)
+            except Exception as e:
+                log(f"  {c}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        if not any(k.startswith("c") for k in cands):
+            log(f"linear {p}: no config of the sweep ran")
             continue
         t = timer.compare(cands)
         best = min((k for k in t if k.startswith("c")), key=t.get)
@@ -381,6 +394,22 @@ def bench_linear(args, torch, dev, timer: Timer, rows: list[dict]) -> None:
         del ws
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class _Rows(list):
+    """The result rows; the JSON file is rewritten after every row (a killed run keeps what it measured)."""
+
+    def __init__(self, out: str, info: dict) -> None:
+        super().__init__()
+        self.out, self.info = Path(out), info
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.write()
+
+    def write(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps({"info": self.info, "rows": list(self)}, indent=1, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
             "copy_bandwidth_TBps": bw / 1e12, "l2_flush": f"weights rotate over >= {L2_FLUSH_BYTES >> 20} MiB of copies (decode)",
             "timing": f"CUDA graphs of {timer.reps} calls, median of {timer.rounds} interleaved rounds"}
     log(f"{info['device']}: copy bandwidth {bw / 1e12:.2f} TB/s")
-    rows: list[dict] = []
+    rows = _Rows(args.out, info)
     sections = args.sections.split(",")
+    # `timeout` ends the run with SIGTERM: exit through the finally below, which writes the JSON
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         if "decode" in sections:
             bench_decode(args, torch, dev, timer, bw, rows)
@@ -422,8 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         misses = [r for r in rows if r.get("meets") is False]
         info["seconds"] = time.perf_counter() - t0
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1, default=str))
+        rows.write()
         log(f"{len(rows)} rows, {len(misses)} below target, {info['seconds']:.0f} s; wrote {args.out}")
     return 0
 

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MODELS = {"llama3-8b": (32, 8, 128), "mistral-7b": (32, 8, 128), "qwen2-7b": (28, 4, 128)}
+# Llama-3-8B and Mistral-7B share their head shapes: measured once
+MODELS = {"llama3-8b/mistral-7b": (32, 8, 128), "qwen2-7b": (28, 4, 128)}
 TOKENS = (1, 8, 32, 2048, 8192, 16384)
 GRAPH_MAX_TOKENS = 2048
 CALLS_PER_GRAPH = 20
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="one model, two token counts")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--deadline-s", type=float, default=130.0,
+                    help="skip the problems left after this many seconds (the JSON is rewritten after every problem)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads
@@ -80,16 +83,26 @@ def main(argv=None) -> int:
         pass
     info["copy_gbps"] = copy_bandwidth(torch, dev)
     log(f"{info['device']}: copy bandwidth {info['copy_gbps']:.0f} GB/s")
-    rows = []
+    rows, skipped = [], []
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for model, (hq, hkv, d) in models.items():
         for t in tokens:
-            rows.append(bench_one(torch, dev, dtype, model, t, hq, hkv, d, args.rounds, info["copy_gbps"]))
-            Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+            if time.perf_counter() - T0 > args.deadline_s:
+                skipped.append(f"{model} T={t}")
+                continue
+            try:
+                rows.append(bench_one(torch, dev, dtype, model, t, hq, hkv, d, args.rounds, info["copy_gbps"]))
+            except Exception as e:  # one problem's failure is reported; the others still run
+                log(f"{model} T={t}: {type(e).__name__}: {str(e)[:200]}")
+                info.setdefault("errors", []).append(f"{model} T={t}: {type(e).__name__}: {str(e)[:200]}")
+            Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "skipped": skipped}, indent=1))
+    if skipped:
+        log(f"skipped past --deadline-s {args.deadline_s:g}: {', '.join(skipped)}")
     print()
     if dev.type == "cpu":
         print("CPU smoke test: Triton runs in its interpreter; the timings and targets say nothing here.")
     print(table(rows))
-    Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "table": table(rows)}, indent=1))
+    Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "skipped": skipped, "table": table(rows)}, indent=1))
     log(f"wrote {args.out}")
     return 0
 
@@ -106,6 +119,13 @@ def copy_bandwidth(torch, dev) -> float:
 
 def graph_ms(torch, fn, replays: int = 5) -> float:
     """Per-call time of `fn` replayed from a CUDA graph of CALLS_PER_GRAPH calls (median of replays)."""
+    return graph_sampler(torch, fn, replays)()
+
+
+def graph_sampler(torch, fn, replays: int = 5):
+    """`fn` captured once in a CUDA graph of CALLS_PER_GRAPH calls; returns a function giving its per-call
+    ms (median of `replays` replays). Captured once per candidate, not per round: every capture
+    runs gc.collect() and empties the allocator's cache (tenths of a second after torch.compile)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -118,15 +138,20 @@ def graph_ms(torch, fn, replays: int = 5) -> float:
             fn()
     g.replay()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        out.append(e0.elapsed_time(e1) / CALLS_PER_GRAPH)
-    return statistics.median(out)
+
+    def sample() -> float:
+        out = []
+        for _ in range(replays):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            out.append(e0.elapsed_time(e1) / CALLS_PER_GRAPH)
+        return statistics.median(out)
+
+    sample.graph = g  # kept alive with the sampler
+    return sample
 
 
 def stream_ms(torch, dev, fn, budget_s: float = 0.1) -> float:
@@ -178,7 +203,9 @@ def bench_one(torch, dev, dtype, model: str, T: int, Hq: int, Hkv: int, D: int, 
         return lambda: f(q0, k0, cos, sin, out=(torch.empty_like(q0), torch.empty_like(k0)))
 
     use_graph = dev.type == "cuda" and T <= GRAPH_MAX_TOKENS
-    timer = (lambda fn: graph_ms(torch, fn)) if use_graph else (lambda fn: stream_ms(torch, dev, fn))
+    # sampler(fn): a function giving one sample of fn's ms (graph: captured once, replayed per sample)
+    sampler = (lambda fn: graph_sampler(torch, fn)) if use_graph else (lambda fn: lambda: stream_ms(torch, dev, fn))
+    timer = lambda fn: sampler(fn)()  # noqa: E731
 
     # correctness of what we time (fresh outputs, against the fp32 reference)
     ref = reference(q0, k0, cos, sin)
@@ -194,16 +221,18 @@ def bench_one(torch, dev, dtype, model: str, T: int, Hq: int, Hkv: int, D: int, 
     swept = []
     for c in cfgs:
         qo, ko = torch.empty_like(q0), torch.empty_like(k0)
-        triton_rope.bind(c)(q0, k0, cos, sin, out=(qo, ko))
-        err = relative_error(torch.cat([qo, ko], -2), ref)
-        if not err < 2e-2:
-            swept.append({"config": c, "error": err})
-            continue
-        try:
+        try:  # a config that fails to compile or launch is recorded, not fatal
+            triton_rope.bind(c)(q0, k0, cos, sin, out=(qo, ko))
+            err = relative_error(torch.cat([qo, ko], -2), ref)
+            if not err < 2e-2:
+                swept.append({"config": c, "error": err})
+                continue
             swept.append({"config": c, "ms": timer(ours_fn(c)), "rel_error": err})
         except Exception as e:
             swept.append({"config": c, "error": f"{type(e).__name__}: {str(e)[:200]}"})
     good = [s for s in swept if "ms" in s]
+    if not good:
+        raise RuntimeError(f"no config of the sweep ran: {swept[:3]}")
     best = min(good, key=lambda s: s["ms"])["config"]
     row["sweep"] = swept
     row["ours_config"] = best
@@ -222,14 +251,18 @@ def bench_one(torch, dev, dtype, model: str, T: int, Hq: int, Hkv: int, D: int, 
         cands["liger_inplace"] = lambda: LigerRopeFunction.apply(qwt, kwt, cos, sin, None, 1)
     except Exception as e:
         row["liger_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-    per = {n: [] for n in cands}
+    samplers = {}
+    for n, fn in list(cands.items()):
+        try:
+            samplers[n] = sampler(fn)
+        except Exception as e:  # a candidate that cannot be timed (e.g. not capturable) is recorded, not fatal
+            row[f"{n}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            del cands[n]
+    per = {n: [] for n in samplers}
     for _ in range(rounds if dev.type == "cuda" else 1):
-        for n, fn in list(cands.items()):
-            try:
-                per[n].append(timer(fn))
-            except Exception as e:  # a candidate that cannot be timed (e.g. not capturable) is recorded, not fatal
-                row[f"{n}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                del cands[n], per[n]
+        for n, smp in samplers.items():
+            per[n].append(smp())
+    del samplers
     ms = {n: statistics.median(v) for n, v in per.items()}
     row["ms"] = ms
     if use_graph:  # bandwidth from L2-flushed launches, as for the larger problems
