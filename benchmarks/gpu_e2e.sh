@@ -15,7 +15,9 @@ set -u
 OUT=${1:?output folder}; CASES=${2:-all}; TUNE_S=${3:-120}; TRIALS=${4:-8}
 export PYTHONUNBUFFERED=1 RAY_DISABLE_USAGE_STATS=1
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ "${WHEELS_INSTALLED:-}" = 1 ]; then
+  :  # gpu_next.sh installed them into /tmp/site
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$OUT/pip.log" 2>&1 || { echo "wheel bundle install failed: see pip.log"; exit 1; }
 elif [ "${E2E_TABLE:-}" = "" ] && [ "$TUNE_S" != 0 ]; then
@@ -39,8 +41,9 @@ if [ -z "$TABLE" ] && [ "$TUNE_S" != 0 ]; then
     && cp /tmp/e2e-export/opsadv-table.json "$OUT/opsadv-table.json" && TABLE=$OUT/opsadv-table.json
   [ -n "$TABLE" ] && python3 -m ops_adv check "$TABLE" | tail -n 12
 fi
-# e2e ends by 555 s from the start (SIGTERM: it writes the cases done; KILL 15 s later)
-LEFT=${E2E_S:-$((555 - SECONDS))}
+# e2e ends by E2E_END (default 555) s from this script's start (SIGTERM: it writes the cases done;
+# KILL 15 s later)
+LEFT=${E2E_S:-$((${E2E_END:-555} - SECONDS))}
 if [ "$LEFT" -lt 30 ]; then
   echo "== e2e skipped: only ${LEFT}s left of this call"
 else

@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 RAY_DISABLE_USAGE_STATS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/pip.log" 2>&1 || echo "wheel bundle install failed: see pip.log"
+    > "$OUT/pip.log" 2>&1 && export WHEELS_INSTALLED=1 || echo "wheel bundle install failed: see pip.log"
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -44,10 +44,10 @@ case "$STAGE" in
   e2e-decode)
     # B 1 and 8 only (the targets are at B <= 8): each case compiles two reduce-overhead models (~30-60 s)
     : "${E2E_ARGS=--decode-batch 1,8}"; export E2E_ARGS
-    bash benchmarks/gpu_e2e.sh "$OUT" llama-decode 120
+    E2E_END=$((555 - SECONDS)) bash benchmarks/gpu_e2e.sh "$OUT" llama-decode 120
     ;;
   e2e-rest)
-    bash benchmarks/gpu_e2e.sh "$OUT" llama-prefill,qwen,resnet 0
+    E2E_END=$((555 - SECONDS)) bash benchmarks/gpu_e2e.sh "$OUT" llama-prefill,qwen,resnet 0
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
