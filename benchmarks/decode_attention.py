@@ -288,12 +288,19 @@ def main(argv=None) -> int:
         if time.perf_counter() - t0 > args.deadline_s:
             skipped.append({"model": name, "problem": p._asdict()})
             continue
-        row = bench_problem(name, p, args.device, copy_bw, 1 if args.device == "cpu" else args.rounds)
+        try:
+            row = bench_problem(name, p, args.device, copy_bw, 1 if args.device == "cpu" else args.rounds)
+        except Exception as e:  # one problem's failure (out of memory, ...) is reported; the others still run
+            print(f"{name} {tuple(p)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            skipped.append({"model": name, "problem": p._asdict(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            if args.device != "cpu":
+                torch.cuda.empty_cache()
+            continue
         rows.append(row)
         print(fmt(row), flush=True)
         write()
     if skipped:
-        print(f"skipped {len(skipped)} problems past --deadline-s {args.deadline_s:g}")
+        print(f"skipped {len(skipped)} problems (past --deadline-s {args.deadline_s:g}, or failed)")
     # the targets of issue 11
     fast = [r for r in rows if r["problem"]["B"] <= 8 and 1024 <= r["problem"]["Skv"] <= 16384 and "speedup_vs_best_sdpa" in r]
     bw = [r for r in rows if r["problem"]["Skv"] >= 4096 and "copy_fraction" in r]

@@ -442,14 +442,19 @@ def main(argv: list[str] | None = None) -> int:
     # `timeout` ends the run with SIGTERM: exit through the finally below, which writes the JSON
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
-        if "decode" in sections:
-            bench_decode(args, torch, dev, timer, bw, rows)
-        if "probe" in sections:
-            alignment_probe(torch, dev, timer, rows)
-        if "tiled" in sections:
-            bench_tiled(args, torch, dev, timer, rows)
-        if "linear" in sections:
-            bench_linear(args, torch, dev, timer, rows)
+        for name, run in (("decode", lambda: bench_decode(args, torch, dev, timer, bw, rows)),
+                          ("probe", lambda: alignment_probe(torch, dev, timer, rows)),
+                          ("tiled", lambda: bench_tiled(args, torch, dev, timer, rows)),
+                          ("linear", lambda: bench_linear(args, torch, dev, timer, rows))):
+            if name not in sections:
+                continue
+            try:
+                run()
+            except Exception as e:  # one section's failure is reported; the next still runs
+                log(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+                info.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
     finally:
         misses = [r for r in rows if r.get("meets") is False]
         info["seconds"] = time.perf_counter() - t0
