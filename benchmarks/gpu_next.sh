@@ -36,7 +36,7 @@ case "$STAGE" in
     step gemm-decode 165 python3 benchmarks/gemm_decode.py --deadline-s 135 --out "$OUT/gemm_decode.json"
     ;;
   kernels-b)
-    step fused-ops 200 python3 benchmarks/fused_ops.py --deadline-s 170 --out "$OUT/fused_ops.json"
+    step fused-ops 200 python3 benchmarks/fused_ops.py --deadline-s 165 --out "$OUT/fused_ops.json"
     step rope 150 python3 benchmarks/rope.py --deadline-s 115 --out "$OUT/rope.json"
     # layers until 105 s, then the whole ResNet-50 (~30-40 s)
     step conv-bn-relu 170 python3 benchmarks/conv_bn_relu.py --deadline-s 105 --out "$OUT/conv_bn_relu.json"
