@@ -36,7 +36,10 @@ if [ -z "$TABLE" ] && [ "$TUNE_S" != 0 ]; then
   echo "== tune $OPS on $DEV for ${TUNE_S}s"
   timeout -k 10 $((TUNE_S + 45)) python3 -m tuner tune --device "$DEV" --ops "$OPS" --shapes "$OUT/e2e-shapes.json" \
     --trials "$TRIALS" --timeout "$TUNE_S" --db sqlite:////tmp/e2e-tuning.db > "$OUT/tune.txt" 2> "$OUT/tune.log" < /dev/null
-  echo "tune rc=$?"; tail -n 5 "$OUT/tune.log"
+  rc=$?; echo "tune rc=$rc"; tail -n 5 "$OUT/tune.log"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # killed: Ray's workers may still hold the GPU
+    timeout 30 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  fi
   python3 -m tuner export --device "$DEV" --out /tmp/e2e-export --db sqlite:////tmp/e2e-tuning.db > /dev/null \
     && cp /tmp/e2e-export/opsadv-table.json "$OUT/opsadv-table.json" && TABLE=$OUT/opsadv-table.json
   [ -n "$TABLE" ] && python3 -m ops_adv check "$TABLE" | tail -n 12
