@@ -224,6 +224,14 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
     return fn
 
 
+def runs_default(op: str, problem: tuple, device) -> bool:
+    """Whether `op` runs its default implementation for `problem` on `device` (nothing tuned or near
+    applies): then a call that needs autograd can be torch's own function, graph and all."""
+    if (problem, device) not in _caches.get(op, ()):
+        lookup(op, problem, device)
+    return _decisions[(op, _device_class(device), problem)][2] == "default"
+
+
 def add_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
     """Wrap every implementation resolved from now on (caches are emptied so known problems resolve again)."""
     with _lock:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kernel_space._common import DTYPE_CODE
 
+from . import _dispatch
 from ._dispatch import cache_for, lookup
 
 _is_compiling = torch.compiler.is_compiling
@@ -40,6 +41,16 @@ def _traced(*ts: torch.Tensor) -> bool:
     return False
 
 
+def _op_needed(op: str, *args: Any) -> bool:
+    """For a call recorded for autograd: whether a tuned kernel applies (then the custom operator runs
+    it, with our backward), or the default does (then torch's own function runs, graph and all: a
+    custom operator's dispatch costs 17-78 µs a call here, and torch's backward is torch's)."""
+    from kernel_space import get_op
+
+    problem = get_op(op).signature(*args)
+    return not _dispatch.runs_default(op, problem, args[0].device)
+
+
 # The dispatcher's per-op caches, read directly on the hot path (a function call costs ~150 ns).
 _gemm_cache = cache_for("gemm")
 DECODE_MAX_QUERY = 16  # query rows up to which grouped-head attention runs decode_attention
@@ -52,7 +63,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul(a, b); 2-D fp16/bf16/fp32 products run the tuned kernel."""
     if a.dim() != 2 or b.dim() != 2 or a.dtype is not b.dtype or a.dtype not in DTYPE_CODE or _autocast():
         return torch.matmul(a, b)
-    if _is_compiling() or _tracing_state() is not None or (_grad_enabled() and (a.requires_grad or b.requires_grad)):
+    if _is_compiling() or _tracing_state() is not None:
+        return torch.ops.ops_adv.gemm(a, b)
+    if _grad_enabled() and (a.requires_grad or b.requires_grad):
+        if a.shape[1] != b.shape[0] or not a.numel() or not b.numel() or a.device != b.device \
+                or not _op_needed("gemm", a, b):
+            return torch.matmul(a, b)
         return torch.ops.ops_adv.gemm(a, b)
     return _gemm(a, b)
 
@@ -113,8 +129,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         # 4-D, the same heads and head dim for q, k and v (no grouped K/V, Dv == D)
         if len(qs) == 4 and ks == v.shape and len(ks) == 4 and ks[1] == qs[1] and ks[3] == qs[3] and ks[0] == qs[0]:
             if _is_compiling() or _tracing_state() is not None \
-                    or (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+                    or (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+                        and q.numel() and k.numel() and _op_needed("attention", q, k, v, bool(is_causal))):
                 return torch.ops.ops_adv.attention(q, k, v, bool(is_causal))
+            if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
             B, H, Sq, D = qs
             Skv = ks[2]
             if B and H and Sq and Skv and D:
@@ -165,6 +184,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     if weight is None or not _rows_ok(x, weight, bias):
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     if _traced(x, weight, bias):
+        if not _is_compiling() and _tracing_state() is None and (not x.numel() or not _op_needed("layer_norm", x, weight)):
+            return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
         return torch.ops.ops_adv.layer_norm(x, weight, bias, float(eps))
     return _layer_norm(x, weight, bias, float(eps))
 
@@ -184,6 +205,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = N
     if eps is None:  # as F.rms_norm: the epsilon of the type it computes in (fp32 for 16-bit inputs)
         eps = torch.finfo(torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype).eps
     if _traced(x, weight):
+        if not _is_compiling() and _tracing_state() is None and (not x.numel() or not _op_needed("rms_norm", x, weight)):
+            return F.rms_norm(x, x.shape[-1:], weight, eps)
         return torch.ops.ops_adv.rms_norm(x, weight, float(eps))
     return _rms_norm(x, weight, float(eps))
 
@@ -201,6 +224,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     if dtype is not None or x.dim() < 1 or dim not in (-1, x.dim() - 1) or x.dtype not in DTYPE_CODE or _autocast():
         return torch.softmax(x, dim, dtype=dtype)
     if _traced(x):
+        if not _is_compiling() and _tracing_state() is None and (not x.numel() or not _op_needed("softmax", x)):
+            return torch.softmax(x, -1)
         return torch.ops.ops_adv.softmax(x)
     return _softmax(x)
 
@@ -233,8 +258,18 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or (bias is not None and bias.dtype is not x.dtype) or _autocast():
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if _traced(x, weight, bias):
+        if not _is_compiling() and _tracing_state() is None and (
+                not x.numel() or not weight.numel() or x.device != weight.device or not _conv_out_ok(x, weight, s, p, d)
+                or not _op_needed("conv2d", x, weight, s, p, d)):
+            return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         return torch.ops.ops_adv.conv2d(x, weight, bias, s, p, d)
     return _conv2d(x, weight, bias, s, p, d)
+
+
+def _conv_out_ok(x, weight, s: int, p: int, d: int) -> bool:
+    H, W = x.shape[2:]
+    R, S = weight.shape[2:]
+    return (H + 2 * p - d * (R - 1) - 1) // s + 1 > 0 and (W + 2 * p - d * (S - 1) - 1) // s + 1 > 0
 
 
 def _conv2d(x, weight, bias, s: int, p: int, d: int) -> torch.Tensor:

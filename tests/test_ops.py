@@ -374,3 +374,28 @@ def test_autocast_gives_torchs_dtypes():
     for got, want in cases:
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want)
+
+
+def test_autograd_runs_torchs_own_graph_unless_a_tuned_kernel_applies(forced):
+    """With no tuned or near winner the call is torch's function (its graph, its backward, no custom operator);
+    with one the custom operator runs the kernel and its backward gives torch's gradients."""
+    g = torch.Generator().manual_seed(0)
+    x, img, k = torch.randn(6, 16, generator=g), torch.randn(1, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    w = torch.ones(16)
+    for fn, ref, args in (
+        (ops_adv.conv2d, F.conv2d, (img, k)),
+        (ops_adv.softmax, torch.softmax, (x, -1)),
+        (lambda t, ww: ops_adv.layer_norm(t, ww), lambda t, ww: F.layer_norm(t, (16,), ww), (x, w)),
+        (lambda t, ww: ops_adv.rms_norm(t, ww), lambda t, ww: F.rms_norm(t, (16,), ww), (x, w)),
+    ):
+        ins = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+        out = fn(*ins)
+        assert type(out.grad_fn).__name__ == type(ref(*ins).grad_fn).__name__  # torch's own node
+    a, b = torch.randn(20, 40, requires_grad=True), torch.randn(40, 24, requires_grad=True)
+    out = ops_adv.gemm(a, b)  # the forced table's cpu_blocked winner applies: the custom operator
+    assert type(out.grad_fn).__name__ != type(torch.matmul(a, b).grad_fn).__name__
+    out.sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    torch.matmul(a, b).sum().backward()
+    torch.testing.assert_close((ga, gb), (a.grad, b.grad))
