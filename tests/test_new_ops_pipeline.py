@@ -65,3 +65,10 @@ def test_new_ops_tune_export_and_dispatch(tmp_path):
     for row in json.loads(r.stdout):
         assert row["source"] == "tuned" and row["impl"] == row["winner"], row
         assert row["err"] <= row["tol"], row
+    # the report names the library candidates and why they did not run on this machine
+    r = cli("opsadv-report", "--device", "cpu", "--db", url)
+    assert r.returncode == 0, r.stderr
+    assert "library candidates" in r.stdout
+    lines = [line.strip() for line in r.stdout.splitlines() if "/liger_" in line]
+    assert {line.split("/")[0] for line in lines} >= {"add_rms_norm", "swiglu", "rope"}, r.stdout
+    assert all(line.endswith(("needs cuda", "liger_kernel not available")) for line in lines), lines

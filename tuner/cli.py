@@ -218,7 +218,7 @@ def report_main(argv: list[str] | None = None) -> int:
     def body() -> int:
         import os
 
-        from .report import format_markdown, format_table, plot
+        from .report import format_markdown, format_table, library_candidates, plot
 
         for flag, path in (("--plot", args.plot), ("--markdown", args.markdown)):
             folder = os.path.dirname(os.path.abspath(path)) if path else None
@@ -238,6 +238,10 @@ def report_main(argv: list[str] | None = None) -> int:
         if not rows:
             raise OpsAdvError(f"no winners for {args.device}; run opsadv-tune --device {args.device} first")
         print(format_table(rows))
+        libs = library_candidates(sorted({r.get("op") for r in rows if r.get("op")}), args.device)
+        if libs:
+            print("\nlibrary candidates of these ops (tuned beside ours where they can run):")
+            print("\n".join(f"  {line}" for line in libs))
         try:
             if args.markdown:
                 with open(args.markdown, "w") as f:

@@ -81,6 +81,22 @@ def format_candidates(ops: list[str], backend: str) -> str:
     return "\n".join(out)
 
 
+def library_candidates(ops: list[str], device_class: str) -> list[str]:
+    """`op/impl: status` for each library implementation of `ops`: why it cannot run for `device_class`
+    (its library does not import here, or it needs CUDA), else that it can."""
+    from kernel_space import impls
+    from kernel_space._registry import source_of
+
+    backend = "cpu" if device_class == "cpu" else "cuda"
+    out = []
+    for op in ops:
+        for impl in impls(op):
+            if source_of(impl) == "library":
+                why = impl.unavailable or (None if backend in impl.backends else f"needs {'/'.join(sorted(impl.backends))}")
+                out.append(f"{op}/{impl.name}: {why or 'available'}")
+    return out
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The winners grouped by source, then a summary line per source."""
     header = ("source", "op", "problem", "winner", "params", "ms", "vendor", "vendor ms", "speedup")
