@@ -108,10 +108,8 @@ class _Rewriter(ast.NodeTransformer):
 
 def _rope_matches(fn: Any) -> bool:
     """Whether `fn` is transformers' rotate-half apply_rotary_pos_emb (checked on a probe)."""
-    try:
-        from ._rope import apply_rotary_pos_emb as ours
-    except ImportError:
-        return False
+    from ._rope import apply_rotary_pos_emb as ours
+
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
     ang = torch.randn(1, 3, 4, generator=g)

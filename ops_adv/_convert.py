@@ -220,10 +220,8 @@ def _fuse_conv_bn_relu(model: nn.Module) -> list[dict[str, str]]:
     """Conv2d -> BatchNorm2d (-> ReLU) in eval mode as one conv2d_bn_relu with folded weights."""
     if model.training or not any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
         return []
-    try:
-        from ._conv_fused import fuse_conv_bn_relu
-    except ImportError:
-        return []
+    from ._conv_fused import fuse_conv_bn_relu
+
     return fuse_conv_bn_relu(model)
 
 
@@ -390,16 +388,13 @@ def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if plain and Sq <= DECODE_MAX_QUERY and (attention_mask is not None or Hq != Hkv) and Hq % Hkv == 0:
         ok, seq_lens = _decode_seq_lens(query, key, attention_mask)
         if ok:
-            try:
-                from ._decode import decode_attention
-            except ImportError:
-                log("sdpa (decode_attention not installed)")
-            else:
-                log("decode_attention")
-                default = scaling is None or scaling == query.shape[-1] ** -0.5  # None takes the kernels' path
-                out = decode_attention(query, key, value, seq_lens, causal=bool(causal_flag and Sq > 1),
-                                       scale=None if default else scaling)
-                return out.transpose(1, 2).contiguous(), None
+            from ._decode import decode_attention
+
+            log("decode_attention")
+            default = scaling is None or scaling == query.shape[-1] ** -0.5  # None takes the kernels' path
+            out = decode_attention(query, key, value, seq_lens, causal=bool(causal_flag and Sq > 1),
+                                   scale=None if default else scaling)
+            return out.transpose(1, 2).contiguous(), None
     causal = bool(causal_flag and attention_mask is None and Sq > 1)
     if attention_mask is not None or dropout or Hq != Hkv or (scaling is not None and scaling != query.shape[-1] ** -0.5) \
             or Sq != Skv and causal:

@@ -19,8 +19,8 @@ _misses: dict[tuple[str, tuple], int] = {}
 _classes: dict[Any, str] = {}
 _caches: dict[str, dict] = {}  # op -> {(problem tuple, device): bound callable}
 _indexes: dict[tuple[str, str], dict] = {}  # (device class, op) -> nearest-search index, built on first need
-_recording: list[dict[tuple[str, tuple], None]] = []
-_wrappers: list[Callable[..., Callable[..., Any]]] = []  # open profilers / NaN checks: wrap(op, problem, impl, source, fn)  # open record() blocks: problems resolved while open
+_recording: list[dict[tuple[str, tuple], None]] = []  # open record() blocks: problems resolved while open
+_wrappers: list[Callable[..., Callable[..., Any]]] = []  # open profilers / NaN checks: wrap(op, problem, impl, source, fn)
 
 
 def _device_class(device) -> str:

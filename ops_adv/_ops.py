@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernel_space import get_op
 from kernel_space._common import DTYPE_CODE
 
 from . import _dispatch
@@ -45,8 +46,6 @@ def _op_needed(op: str, *args: Any) -> bool:
     """For a call recorded for autograd: whether a tuned kernel applies (then the custom operator runs
     it, with our backward), or the default does (then torch's own function runs, graph and all: a
     custom operator's dispatch costs 17-78 µs a call here, and torch's backward is torch's)."""
-    from kernel_space import get_op
-
     problem = get_op(op).signature(*args)
     return not _dispatch.runs_default(op, problem, args[0].device)
 
