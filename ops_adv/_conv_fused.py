@@ -24,13 +24,12 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from ._dispatch import cache_for, lookup
-from ._ops import _conv_format, _fresh, _square
+from ._ops import _autocast, _conv_format, _fresh, _square
 
 _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _cache = cache_for("conv2d_bn_relu")
-_autocast = torch._C._is_any_autocast_enabled
 
 
 def _composite(x, weight, bias, stride, padding, dilation, relu: bool) -> torch.Tensor:

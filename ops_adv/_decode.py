@@ -20,13 +20,10 @@ from kernel_space.decode_attention.problem import visible
 from kernel_space.decode_attention.vendor import sdpa_decode
 
 from ._dispatch import cache_for, lookup
-from ._ops import _fresh, _traced
+from ._ops import _autocast, _fresh, _traced
 
 _decode_cache = cache_for("decode_attention")
 _LENS_DTYPES = (torch.int32, torch.int64)
-# Under autocast torch's composite runs: autocast casts its ops (linear, SDPA to 16 bits; layer_norm to fp32
-# on CUDA), which the kernels and custom operators would not.
-_autocast = torch._C._is_any_autocast_enabled
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None, *,

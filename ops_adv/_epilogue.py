@@ -16,12 +16,9 @@ from kernel_space._common import DTYPE_CODE
 from kernel_space.linear import ACTIVATIONS, activate
 
 from ._dispatch import cache_for, lookup
-from ._ops import _fresh, _traced
+from ._ops import _autocast, _fresh, _traced
 
 _linear_cache = cache_for("linear")
-# Under autocast torch's composite runs: autocast casts its ops (linear, SDPA to 16 bits; layer_norm to fp32
-# on CUDA), which the kernels and custom operators would not.
-_autocast = torch._C._is_any_autocast_enabled
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -20,22 +20,14 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from ._dispatch import lookup
-from ._ops import _fresh, _rows_ok, _traced, linear
+from ._ops import _autocast, _fresh, _rms_grads, _rows_ok, _traced, linear
 
 # --------------------------------------------------------------------------- composites (torch's semantics)
 
-# Under autocast torch's composite runs: autocast casts its ops (layer_norm to fp32 on CUDA), which the
-# kernels and custom operators would not.
-_autocast = torch._C._is_any_autocast_enabled
 
 
 def _rms(h: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
-    if hasattr(F, "rms_norm"):
-        return F.rms_norm(h, h.shape[-1:], weight, eps)
-    f = h.float()  # torch < 2.4
-    eps = torch.finfo(f.dtype).eps if eps is None else eps
-    y = (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + eps)).to(h.dtype)
-    return y * weight if weight is not None else y
+    return F.rms_norm(h, h.shape[-1:], weight, eps)
 
 
 def _add_rms_composite(x, residual, weight, eps):
@@ -168,18 +160,6 @@ def llama_mlp_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
 _lib_ops: dict[str, Any] = {}
 
 
-def _rms_backward(h, weight, eps, g):
-    """dL/dh and dL/dweight of rms_norm(h) * weight, in fp32 (float64 for float64)."""
-    hi = torch.promote_types(h.dtype, torch.float32)
-    hf, gf, w = h.to(hi), g.to(hi), weight.to(hi)
-    rstd = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
-    xhat = hf * rstd
-    gxhat = gf * w
-    gh = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
-    gw = (gf * xhat).reshape(-1, h.shape[-1]).sum(0)
-    return gh, gw
-
-
 def _plus(gh: torch.Tensor, g_res: torch.Tensor | None) -> torch.Tensor:
     return gh if g_res is None else gh + g_res.to(gh.dtype)
 
@@ -214,7 +194,7 @@ def _define_fused() -> None:
         h, weight = ctx.saved_tensors
         if g is None:
             g = torch.zeros_like(h)
-        gh, gw = _rms_backward(h, weight, ctx.eps, g)
+        gh, gw = _rms_grads(h, weight, ctx.eps, g)
         gh = _plus(gh, g_res)
         gh = gh.to(h.dtype)
         return (*_both(ctx, gh), gw.to(weight.dtype), None)

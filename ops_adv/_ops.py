@@ -371,12 +371,7 @@ def _define() -> None:
 
     def rms_norm_backward(ctx, g):
         x, weight = ctx.saved_tensors
-        h, gf, w = x.float(), g.float(), weight.float()
-        rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + ctx.eps)
-        xhat = h * rstd
-        gxhat = gf * w
-        gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
-        gw = (gf * xhat).reshape(-1, x.shape[-1]).sum(0)
+        gx, gw = _rms_grads(x, weight, ctx.eps, g)
         return gx.to(x.dtype), gw.to(weight.dtype), None
 
     rms_norm_op.register_autograd(rms_norm_backward, setup_context=rms_norm_setup)
@@ -441,6 +436,18 @@ def _conv_format(x: torch.Tensor) -> torch.memory_format:
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         return torch.channels_last
     return torch.contiguous_format
+
+
+def _rms_grads(h: torch.Tensor, weight: torch.Tensor, eps: float, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dL/dh and dL/dweight of rms_norm(h) * weight, in fp32 (float64 for float64)."""
+    hi = torch.promote_types(h.dtype, torch.float32)
+    hf, gf, w = h.to(hi), g.to(hi), weight.to(hi)
+    rstd = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
+    xhat = hf * rstd
+    gxhat = gf * w
+    gh = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+    gw = (gf * xhat).reshape(-1, h.shape[-1]).sum(0)
+    return gh, gw
 
 
 def _attention_grads(q, k, v, g, causal: bool):
