@@ -3,7 +3,15 @@ loss and gradients of a converted Llama (GQA, fused blocks) and ResNet-50 (conv+
 
 Run: python benchmarks/convert_checks.py
 """
-import copy, torch, torchvision, transformers, ops_adv
+import os
+import sys
+
+# This folder holds kernels.py, which would shadow the `kernels` package transformers imports.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+sys.path.insert(0, os.path.dirname(_here))
+
+import copy, torch, torchvision, transformers, ops_adv  # noqa: E401,E402
 torch.manual_seed(0)
 res = {}
 # Llama (GQA) converted: fused blocks, ops_adv attention
