@@ -6,7 +6,8 @@ without the library (or without a GPU) lists it with the reason instead of faili
 lacking the kernel, or one that fails to import against this torch/Triton, is a reason as well.
 `import kernel_space` imports nothing of liger_kernel.
 
-Other op packages (rope, ...) add their Liger candidates with the same helpers:
+The helpers every op's Liger candidate uses; the candidates themselves live in the package of
+the op they serve (`rms_norm/liger.py`, `swiglu/liger.py`, ...):
 `register_liger(op, name, check=needs_attr(module, attr))` and `liger_attr(module, attr)`.
 """
 from __future__ import annotations
@@ -84,42 +85,3 @@ def register_liger(op: str, name: str, *, check: Check | None = None) -> Callabl
     with `needs_attr` so that a release lacking the kernel, or failing to import, is a reason and not a crash."""
     return register_impl(op, name=name, priority=PRIORITY, backends=("cuda",), vendor=True, check=check,
                          requires=("liger_kernel",))
-
-
-# --------------------------------------------------------------------------- adapters
-
-
-def rms_norm(x, weight, eps: float = 1e-6):
-    # casting_mode "llama": statistics in fp32, normalised x cast to the input dtype, then times weight (HF Llama)
-    return liger_attr("ops.rms_norm", "LigerRMSNormFunction").apply(x, weight, eps, 0.0, "llama", False)
-
-
-def layer_norm(x, weight, bias=None, eps: float = 1e-5):
-    if bias is None:
-        bias = weight.new_zeros(weight.shape)
-    return liger_attr("ops.layer_norm", "LigerLayerNormFunction").apply(x, weight, bias, eps)
-
-
-def add_rms_norm(x, residual, weight, eps: float = 1e-6):
-    y, h = liger_attr("ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction").apply(
-        x, residual, weight, eps, 0.0, "llama", False)
-    return y, h
-
-
-def swiglu(gate, up=None):
-    if up is None:  # one [..., 2I] tensor: gate then up
-        return liger_attr("ops.swiglu", "LigerFusedGateUpSiLUMulFunction").apply(gate.contiguous())
-    # its kernel walks gate, up and out with one row stride: contiguous operands
-    return liger_attr("ops.swiglu", "LigerSiLUMulFunction").apply(gate.contiguous(), up.contiguous())
-
-
-def register_norms() -> None:
-    """Liger candidates of the plain norms (their packages are imported here: they do not import this module)."""
-    from . import layer_norm as _ln, rms_norm as _rn  # noqa: F401  (their ops must exist first)
-
-    register_liger("rms_norm", "liger_rms_norm", check=needs_attr("ops.rms_norm", "LigerRMSNormFunction"))(rms_norm)
-    register_liger("layer_norm", "liger_layer_norm",
-                   check=needs_attr("ops.layer_norm", "LigerLayerNormFunction"))(layer_norm)
-
-
-register_norms()

@@ -191,6 +191,7 @@ def test_the_op_packages_share_one_layout():
     for op in ops():
         files = set(os.listdir(os.path.join(root, op)))
         assert {"__init__.py", "problem.py", "vendor.py", "triton.py", "_kernels.py"} <= files, op
-        extra = {f for f in files if f.endswith(".py")} - {"__init__.py", "problem.py", "vendor.py", "triton.py", "_kernels.py", "cpu.py"}
+        layout = {"__init__.py", "problem.py", "vendor.py", "triton.py", "_kernels.py", "cpu.py", "liger.py"}
+        extra = {f for f in files if f.endswith(".py")} - layout
         assert not extra, f"{op} has files outside the layout: {extra}"
     assert any(i.backends == frozenset({"cpu"}) and not i.vendor for i in impls("gemm"))

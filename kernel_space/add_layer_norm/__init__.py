@@ -1,5 +1,5 @@
 """add_layer_norm: `problem` (signature, inputs, reference), and one module per backend:
-`vendor` (torch composite, Liger), `triton` (row-wise space, wrapper) over `_kernels`."""
+`vendor` (torch composite), `triton` (row-wise space, wrapper) over `_kernels`."""
 from .problem import SPEC, AddLayerNormProblem, make_inputs, reference, signature
 from . import triton, vendor  # noqa: F401  (register the implementations)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .. import _liger  # noqa: F401  (Liger's layer_norm candidate)
 from .._registry import register_vendor
 
 

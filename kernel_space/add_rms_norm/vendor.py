@@ -1,10 +1,9 @@
-"""add_rms_norm vendor kernels: the eager torch composite (what a Llama block runs) and Liger's fused kernel."""
+"""add_rms_norm vendor kernel: the eager torch composite (what a Llama block runs); Liger's is in `liger`."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .. import _liger
 from .._registry import register_vendor
 
 
@@ -16,6 +15,3 @@ def torch_add_rms_norm(x, residual, weight, eps: float = 1e-6):
     f = h.float()  # torch < 2.4
     return (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + eps)).to(h.dtype) * weight, h
 
-
-_liger.register_liger("add_rms_norm", "liger_add_rms_norm",
-                      check=_liger.needs_attr("ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction"))(_liger.add_rms_norm)

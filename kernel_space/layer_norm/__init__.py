@@ -1,6 +1,6 @@
 """layer_norm: `problem` (signature, inputs, reference), and one module per backend:
-`vendor` (torch), `triton` (row-wise space, wrapper) over `_kernels`."""
+`vendor` (torch), `liger` (Liger-Kernel), `triton` (row-wise space, wrapper) over `_kernels`."""
 from .problem import SPEC, LayerNormProblem, make_inputs, reference, signature
-from . import triton, vendor  # noqa: F401  (register the implementations)
+from . import triton, vendor, liger  # noqa: F401  (register the implementations)
 
 __all__ = ["LayerNormProblem", "SPEC", "make_inputs", "reference", "signature"]

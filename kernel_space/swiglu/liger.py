@@ -1,0 +1,18 @@
+"""swiglu's Liger-Kernel candidate: its SiLU-mul kernels, two-tensor and merged gate_up (CUDA only)."""
+from __future__ import annotations
+
+from .. import _liger
+from .._liger import liger_attr, register_liger
+
+
+def _liger_check(p, params):
+    # the merged layout needs LigerFusedGateUpSiLUMulFunction (a newer release than the two-tensor kernel)
+    return _liger.missing("ops.swiglu", "LigerFusedGateUpSiLUMulFunction" if p.merged else "LigerSiLUMulFunction")
+
+
+@register_liger("swiglu", "liger_swiglu", check=_liger_check)
+def swiglu(gate, up=None):
+    if up is None:  # one [..., 2I] tensor: gate then up
+        return liger_attr("ops.swiglu", "LigerFusedGateUpSiLUMulFunction").apply(gate.contiguous())
+    # its kernel walks gate, up and out with one row stride: contiguous operands
+    return liger_attr("ops.swiglu", "LigerSiLUMulFunction").apply(gate.contiguous(), up.contiguous())
