@@ -160,6 +160,21 @@ def register_op(spec: OpSpec) -> OpSpec:
     return spec
 
 
+def define_op(name: str, problem: type, signature: Callable[..., tuple], make_inputs: Callable[..., tuple],
+              reference: Callable[..., Any], *, size_fields: tuple[str, ...], flops: Callable[[Any], float],
+              bytes_moved: Callable[[Any], float], default_problems: Callable[[str], list],
+              streaming: tuple[str, ...] = (), choices: Mapping[str, tuple] | None = None,
+              tolerance: Callable[[str], float] | None = None) -> OpSpec:
+    """Register op `name` from the pieces its `problem.py` defines; the tolerance is the dtype's
+    (`_common.tolerance`) unless the op gives its own."""
+    if tolerance is None:
+        from ._common import tolerance
+    return register_op(OpSpec(name=name, problem=problem, signature=signature, make_inputs=make_inputs,
+                              reference=reference, tolerance=tolerance, flops=flops, bytes_moved=bytes_moved,
+                              size_fields=size_fields, default_problems=default_problems, choices=choices or {},
+                              streaming=streaming))
+
+
 def register_impl(
     op: str,
     *,

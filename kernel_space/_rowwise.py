@@ -1,15 +1,17 @@
-"""What the row-wise ops (layer_norm, rms_norm, softmax) share: problems, inputs, Triton space, checks, launch geometry.
+"""What the row-wise ops (the norms, softmax, swiglu) share: op specs, problems, inputs, Triton space, checks,
+launch geometry.
 
 Needs no triton: the kernels themselves live in each op's `_kernels`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ._common import DTYPES, ITEMSIZE, pow2_at_least
+from ._registry import OpSpec, define_op
 
 # One program normalises a ROWS_PER_PROGRAM x BLOCK_N tile. BLOCK_N 0 holds the whole row in
 # registers (the next power of two: one read of x); a BLOCK_N shorter than the row loops over
@@ -64,6 +66,16 @@ def block_n(bn: int, cols: int) -> int:
     return bn or pow2_at_least(cols)
 
 
+def register(name: str, problem: type, *, signature: Callable[..., tuple], make_inputs: Callable[..., tuple],
+             reference: Callable[..., Any], flops: Callable[[Any], float], bytes_moved: Callable[[Any], float],
+             problems: Callable[[str], list] | None = None) -> OpSpec:
+    """Register a row-wise op: problems of `rows` (streaming) x `cols`, the dtype's tolerance, and
+    the row-wise default problems unless the op gives its own `problems(device_class)`."""
+    return define_op(name, problem, signature, make_inputs, reference, size_fields=("rows", "cols"), streaming=("rows",),
+                     flops=flops, bytes_moved=bytes_moved,
+                     default_problems=problems or functools.partial(default_problems, problem))
+
+
 def default_problems(problem: type, device_class: str) -> list:
     if device_class == "cpu":
         return [problem(256, 1024), problem(1024, 768), problem(64, 4096)]
@@ -89,9 +101,10 @@ def hi(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64 if t.device.type == "cpu" else torch.float32)
 
 
-def norm_bytes(p: Any, params_per_col: int) -> float:
-    """Bytes a norm moves: x read, y written, and its per-column parameter vectors."""
-    return float((2 * p.rows + params_per_col) * p.cols * ITEMSIZE[p.dtype])
+def norm_bytes(p: Any, params_per_col: int, row_tensors: int = 2) -> float:
+    """Bytes a norm moves: `row_tensors` rows x cols tensors (x read, y written, and for the fused
+    residual add, residual read and h written) and its per-column parameter vectors."""
+    return float((row_tensors * p.rows + params_per_col) * p.cols * ITEMSIZE[p.dtype])
 
 
 def rows_view(x: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _rowwise
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, generator, randn
 
 
 class AddLayerNormProblem(NamedTuple):
@@ -39,23 +38,7 @@ def reference(x, residual, weight, bias=None, eps: float = 1e-5) -> torch.Tensor
     return F.layer_norm(hi(h), (x.shape[-1],), hi(weight), None if bias is None else hi(bias), eps)
 
 
-def bytes_moved(p: AddLayerNormProblem) -> float:
-    """x and residual read, normed and h written, weight and bias read."""
-    return float((4 * p.rows + 2) * p.cols * ITEMSIZE[p.dtype])
-
-
-SPEC = register_op(
-    OpSpec(
-        name="add_layer_norm",
-        problem=AddLayerNormProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 9.0 * p.rows * p.cols,
-        bytes_moved=bytes_moved,
-        size_fields=("rows", "cols"),
-        streaming=("rows",),
-        default_problems=lambda device_class: _rowwise.default_problems(AddLayerNormProblem, device_class),
-    )
-)
+SPEC = _rowwise.register("add_layer_norm", AddLayerNormProblem, signature=signature, make_inputs=make_inputs,
+                         reference=reference, flops=lambda p: 9.0 * p.rows * p.cols,
+                         # x and residual read, normed and h written, weight and bias read
+                         bytes_moved=lambda p: _rowwise.norm_bytes(p, 2, row_tensors=4))

@@ -7,8 +7,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _rowwise
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, generator, randn
 
 
 class AddRmsNormProblem(NamedTuple):
@@ -35,23 +34,7 @@ def reference(x, residual, weight, eps: float = 1e-6) -> torch.Tensor:
     return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * _rowwise.hi(weight)
 
 
-def bytes_moved(p: AddRmsNormProblem) -> float:
-    """x and residual read, normed and h written, weight read."""
-    return float((4 * p.rows + 1) * p.cols * ITEMSIZE[p.dtype])
-
-
-SPEC = register_op(
-    OpSpec(
-        name="add_rms_norm",
-        problem=AddRmsNormProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 5.0 * p.rows * p.cols,
-        bytes_moved=bytes_moved,
-        size_fields=("rows", "cols"),
-        streaming=("rows",),
-        default_problems=lambda device_class: _rowwise.default_problems(AddRmsNormProblem, device_class),
-    )
-)
+SPEC = _rowwise.register("add_rms_norm", AddRmsNormProblem, signature=signature, make_inputs=make_inputs,
+                         reference=reference, flops=lambda p: 5.0 * p.rows * p.cols,
+                         # x and residual read, normed and h written, weight read
+                         bytes_moved=lambda p: _rowwise.norm_bytes(p, 1, row_tensors=4))

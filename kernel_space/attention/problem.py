@@ -9,10 +9,9 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn
+from .._registry import define_op
 
 
 class AttentionProblem(NamedTuple):
@@ -69,18 +68,7 @@ def default_problems(device_class: str) -> list[AttentionProblem]:
     ]
 
 
-SPEC = register_op(
-    OpSpec(
-        name="attention",
-        problem=AttentionProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=_flops,
-        bytes_moved=lambda p: float(p.B * p.H * (2 * p.Sq + 2 * p.Skv) * p.D * ITEMSIZE[p.dtype]),
-        size_fields=("B", "H", "Sq", "Skv", "D"),
-        streaming=("B", "Sq", "Skv"),
-        default_problems=default_problems,
-    )
-)
+SPEC = define_op("attention", AttentionProblem, signature, make_inputs, reference,
+                 size_fields=("B", "H", "Sq", "Skv", "D"), streaming=("B", "Sq", "Skv"), flops=_flops,
+                 bytes_moved=lambda p: float(p.B * p.H * (2 * p.Sq + 2 * p.Skv) * p.D * ITEMSIZE[p.dtype]),
+                 default_problems=default_problems)

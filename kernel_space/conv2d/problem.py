@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from .._common import DTYPE_CODE, ITEMSIZE, conv_fp32, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, ITEMSIZE, conv_fp32, generator, randn
+from .._registry import define_op
 
 
 class Conv2dProblem(NamedTuple):
@@ -44,26 +43,32 @@ def out_hw(p: Conv2dProblem) -> tuple[int, int]:
     return P, Q
 
 
-def make_inputs(p: Conv2dProblem, device, seed: int = 0):
-    g = generator(seed)
+def operands(p, device, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """x and a unit-variance-output weight for a conv problem (conv2d's or conv2d_bn_relu's), in its layout."""
     x = randn((p.N, p.C, p.H, p.W), p.dtype, device, g)
     w = randn((p.K, p.C, p.R, p.S), p.dtype, device, g, scale=(p.C * p.R * p.S) ** -0.5)
     if p.layout == "nhwc":  # a channels_last model: activations and weights both
         x = x.contiguous(memory_format=torch.channels_last)
         w = w.contiguous(memory_format=torch.channels_last)
-    return (x, w), {"stride": p.stride, "padding": p.padding, "dilation": p.dilation}
+    return x, w
+
+
+def make_inputs(p: Conv2dProblem, device, seed: int = 0):
+    return operands(p, device, generator(seed)), {"stride": p.stride, "padding": p.padding, "dilation": p.dilation}
 
 
 def reference(x, weight, stride: int = 1, padding: int = 0, dilation: int = 1) -> torch.Tensor:
     return conv_fp32(x, weight, None, stride=stride, padding=padding, dilation=dilation)
 
 
-def _flops(p: Conv2dProblem) -> float:
+def flops(p) -> float:
+    """A conv problem's multiply-adds, twice (conv2d's or conv2d_bn_relu's)."""
     P, Q = out_hw(p)
     return 2.0 * p.N * p.K * P * Q * p.C * p.R * p.S
 
 
-def _bytes(p: Conv2dProblem) -> float:
+def bytes_moved(p) -> float:
+    """x and weight read, the output written (conv2d's or conv2d_bn_relu's, whose bias adds K)."""
     P, Q = out_hw(p)
     return float((p.N * p.C * p.H * p.W + p.K * p.C * p.R * p.S + p.N * p.K * P * Q) * ITEMSIZE[p.dtype])
 
@@ -94,18 +99,6 @@ def default_problems(device_class: str) -> list[Conv2dProblem]:
     return out
 
 
-SPEC = register_op(
-    OpSpec(
-        name="conv2d",
-        problem=Conv2dProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=_flops,
-        bytes_moved=_bytes,
-        size_fields=("N", "C", "H", "W", "K", "R", "S"),
-        streaming=("N",),
-        default_problems=default_problems,
-    )
-)
+SPEC = define_op("conv2d", Conv2dProblem, signature, make_inputs, reference,
+                 size_fields=("N", "C", "H", "W", "K", "R", "S"), streaming=("N",), flops=flops,
+                 bytes_moved=bytes_moved, default_problems=default_problems)

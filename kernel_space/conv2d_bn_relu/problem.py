@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from .._common import DTYPE_CODE, ITEMSIZE, conv_fp32, generator, randn, tolerance
-from .._registry import OpSpec, register_op
-from ..conv2d.problem import _RESNET50, out_hw
+from .._common import DTYPE_CODE, ITEMSIZE, conv_fp32, generator, randn
+from .._registry import define_op
+from ..conv2d import problem as conv2d
 
 
 class ConvBnReluProblem(NamedTuple):
@@ -42,28 +41,14 @@ def signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride:
 
 def make_inputs(p: ConvBnReluProblem, device, seed: int = 0):
     g = generator(seed)
-    x = randn((p.N, p.C, p.H, p.W), p.dtype, device, g)
-    w = randn((p.K, p.C, p.R, p.S), p.dtype, device, g, scale=(p.C * p.R * p.S) ** -0.5)
+    x, w = conv2d.operands(p, device, g)
     b = randn((p.K,), p.dtype, device, g, scale=0.5)  # a folded shift: some channels mostly negative
-    if p.layout == "nhwc":  # a channels_last model: activations and weights both
-        x = x.contiguous(memory_format=torch.channels_last)
-        w = w.contiguous(memory_format=torch.channels_last)
     return (x, w, b), {"stride": p.stride, "padding": p.padding, "dilation": p.dilation, "relu": p.relu}
 
 
 def reference(x, weight, bias, stride: int = 1, padding: int = 0, dilation: int = 1, relu: bool = True) -> torch.Tensor:
     y = conv_fp32(x, weight, bias, stride=stride, padding=padding, dilation=dilation)
     return torch.relu(y) if relu else y
-
-
-def _flops(p: ConvBnReluProblem) -> float:
-    P, Q = out_hw(p)
-    return 2.0 * p.N * p.K * P * Q * p.C * p.R * p.S
-
-
-def _bytes(p: ConvBnReluProblem) -> float:
-    P, Q = out_hw(p)
-    return float((p.N * p.C * p.H * p.W + p.K * p.C * p.R * p.S + p.K + p.N * p.K * P * Q) * ITEMSIZE[p.dtype])
 
 
 def default_problems(device_class: str) -> list[ConvBnReluProblem]:
@@ -77,22 +62,11 @@ def default_problems(device_class: str) -> list[ConvBnReluProblem]:
     return [
         ConvBnReluProblem(32, C, H, H, K, R, R, s, pad, 1, layout, "bf16")
         for layout in ("nhwc", "nchw")
-        for C, H, K, R, s, pad in _RESNET50
+        for C, H, K, R, s, pad in conv2d._RESNET50
     ]
 
 
-SPEC = register_op(
-    OpSpec(
-        name="conv2d_bn_relu",
-        problem=ConvBnReluProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=_flops,
-        bytes_moved=_bytes,
-        size_fields=("N", "C", "H", "W", "K", "R", "S"),
-        streaming=("N",),
-        default_problems=default_problems,
-    )
-)
+SPEC = define_op("conv2d_bn_relu", ConvBnReluProblem, signature, make_inputs, reference,
+                 size_fields=("N", "C", "H", "W", "K", "R", "S"), streaming=("N",), flops=conv2d.flops,
+                 bytes_moved=lambda p: conv2d.bytes_moved(p) + p.K * ITEMSIZE[p.dtype],  # + the bias
+                 default_problems=default_problems)

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn
+from .._registry import define_op
 
 
 class DecodeAttentionProblem(NamedTuple):
@@ -117,18 +117,6 @@ def default_problems(device_class: str) -> list[DecodeAttentionProblem]:
     ]
 
 
-SPEC = register_op(
-    OpSpec(
-        name="decode_attention",
-        problem=DecodeAttentionProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=_flops,
-        bytes_moved=_bytes,
-        size_fields=("B", "Hq", "Hkv", "Sq", "Skv", "D"),
-        streaming=("B", "Skv"),
-        default_problems=default_problems,
-    )
-)
+SPEC = define_op("decode_attention", DecodeAttentionProblem, signature, make_inputs, reference,
+                 size_fields=("B", "Hq", "Hkv", "Sq", "Skv", "D"), streaming=("B", "Skv"), flops=_flops,
+                 bytes_moved=_bytes, default_problems=default_problems)

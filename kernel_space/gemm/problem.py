@@ -5,8 +5,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn
+from .._registry import define_op
 
 
 class GemmProblem(NamedTuple):
@@ -65,18 +65,7 @@ def default_problems(device_class: str) -> list[GemmProblem]:
     ]
 
 
-SPEC = register_op(
-    OpSpec(
-        name="gemm",
-        problem=GemmProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 2.0 * p.M * p.N * p.K,
-        bytes_moved=lambda p: float((p.M * p.K + p.K * p.N + p.M * p.N) * ITEMSIZE[p.dtype]),
-        size_fields=("M", "N", "K"),
-        streaming=("M",),
-        default_problems=default_problems,
-    )
-)
+SPEC = define_op("gemm", GemmProblem, signature, make_inputs, reference, size_fields=("M", "N", "K"), streaming=("M",),
+                 flops=lambda p: 2.0 * p.M * p.N * p.K,
+                 bytes_moved=lambda p: float((p.M * p.K + p.K * p.N + p.M * p.N) * ITEMSIZE[p.dtype]),
+                 default_problems=default_problems)

@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _rowwise
-from .._common import DTYPE_CODE, DTYPES, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, generator, randn
 
 
 class LayerNormProblem(NamedTuple):
@@ -33,18 +32,6 @@ def reference(x, weight, bias=None, eps: float = 1e-5) -> torch.Tensor:
     return F.layer_norm(hi(x), (x.shape[-1],), hi(weight), None if bias is None else hi(bias), eps)
 
 
-SPEC = register_op(
-    OpSpec(
-        name="layer_norm",
-        problem=LayerNormProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 8.0 * p.rows * p.cols,
-        bytes_moved=lambda p: _rowwise.norm_bytes(p, 2),
-        size_fields=("rows", "cols"),
-        streaming=("rows",),
-        default_problems=lambda device_class: _rowwise.default_problems(LayerNormProblem, device_class),
-    )
-)
+SPEC = _rowwise.register("layer_norm", LayerNormProblem, signature=signature, make_inputs=make_inputs,
+                         reference=reference, flops=lambda p: 8.0 * p.rows * p.cols,
+                         bytes_moved=lambda p: _rowwise.norm_bytes(p, 2))

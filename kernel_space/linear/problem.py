@@ -7,8 +7,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn
+from .._registry import define_op
 
 # "gelu" is F.gelu's default (erf); "gelu_tanh" is F.gelu(approximate="tanh").
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
@@ -84,19 +84,7 @@ def default_problems(device_class: str) -> list[LinearProblem]:
     ]
 
 
-SPEC = register_op(
-    OpSpec(
-        name="linear",
-        problem=LinearProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 2.0 * p.M * p.N * p.K,
-        bytes_moved=lambda p: float((p.M * p.K + p.N * p.K + p.M * p.N + (p.N if p.bias else 0)) * ITEMSIZE[p.dtype]),
-        size_fields=("M", "N", "K"),
-        default_problems=default_problems,
-        choices={"activation": ACTIVATIONS},
-        streaming=("M",),
-    )
-)
+SPEC = define_op("linear", LinearProblem, signature, make_inputs, reference, size_fields=("M", "N", "K"),
+                 streaming=("M",), choices={"activation": ACTIVATIONS}, flops=lambda p: 2.0 * p.M * p.N * p.K,
+                 bytes_moved=lambda p: float((p.M * p.K + p.N * p.K + p.M * p.N + (p.N if p.bias else 0)) * ITEMSIZE[p.dtype]),
+                 default_problems=default_problems)

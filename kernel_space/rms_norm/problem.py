@@ -6,8 +6,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _rowwise
-from .._common import DTYPE_CODE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, generator, randn
 
 
 class RmsNormProblem(NamedTuple):
@@ -32,18 +31,5 @@ def reference(x, weight, eps: float = 1e-6) -> torch.Tensor:
     return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * _rowwise.hi(weight)
 
 
-SPEC = register_op(
-    OpSpec(
-        name="rms_norm",
-        problem=RmsNormProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 4.0 * p.rows * p.cols,
-        bytes_moved=lambda p: _rowwise.norm_bytes(p, 1),
-        size_fields=("rows", "cols"),
-        streaming=("rows",),
-        default_problems=lambda device_class: _rowwise.default_problems(RmsNormProblem, device_class),
-    )
-)
+SPEC = _rowwise.register("rms_norm", RmsNormProblem, signature=signature, make_inputs=make_inputs, reference=reference,
+                         flops=lambda p: 4.0 * p.rows * p.cols, bytes_moved=lambda p: _rowwise.norm_bytes(p, 1))

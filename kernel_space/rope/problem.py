@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._common import DTYPE_CODE, DTYPES, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, DTYPES, ITEMSIZE, generator, randn
+from .._registry import define_op
 
 
 class RopeProblem(NamedTuple):
@@ -109,18 +109,6 @@ def bytes_moved(p: RopeProblem) -> float:
     return float((2 * (p.Hq + p.Hkv) * p.D + p.D) * p.tokens * ITEMSIZE[p.dtype])
 
 
-SPEC = register_op(
-    OpSpec(
-        name="rope",
-        problem=RopeProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 3.0 * p.tokens * (p.Hq + p.Hkv) * p.D,
-        bytes_moved=bytes_moved,
-        size_fields=("tokens", "Hq", "Hkv", "D"),
-        streaming=("tokens",),
-        default_problems=default_problems,
-    )
-)
+SPEC = define_op("rope", RopeProblem, signature, make_inputs, reference, size_fields=("tokens", "Hq", "Hkv", "D"),
+                 streaming=("tokens",), flops=lambda p: 3.0 * p.tokens * (p.Hq + p.Hkv) * p.D,
+                 bytes_moved=bytes_moved, default_problems=default_problems)

@@ -6,8 +6,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _rowwise
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn
 
 
 class SoftmaxProblem(NamedTuple):
@@ -30,18 +29,6 @@ def reference(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x.to(torch.float64 if x.device.type == "cpu" else torch.float32), dim=-1)
 
 
-SPEC = register_op(
-    OpSpec(
-        name="softmax",
-        problem=SoftmaxProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 5.0 * p.rows * p.cols,
-        bytes_moved=lambda p: float(2 * p.rows * p.cols * ITEMSIZE[p.dtype]),
-        size_fields=("rows", "cols"),
-        streaming=("rows",),
-        default_problems=lambda device_class: _rowwise.default_problems(SoftmaxProblem, device_class),
-    )
-)
+SPEC = _rowwise.register("softmax", SoftmaxProblem, signature=signature, make_inputs=make_inputs, reference=reference,
+                         flops=lambda p: 5.0 * p.rows * p.cols,
+                         bytes_moved=lambda p: float(2 * p.rows * p.cols * ITEMSIZE[p.dtype]))

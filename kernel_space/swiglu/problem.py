@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _rowwise
-from .._common import DTYPE_CODE, ITEMSIZE, generator, randn, tolerance
-from .._registry import OpSpec, register_op
+from .._common import DTYPE_CODE, ITEMSIZE, generator, randn
 
 
 class SwigluProblem(NamedTuple):
@@ -52,21 +51,9 @@ def bytes_moved(p: SwigluProblem) -> float:
     return float(3 * p.rows * p.cols * ITEMSIZE[p.dtype])
 
 
-SPEC = register_op(
-    OpSpec(
-        name="swiglu",
-        problem=SwigluProblem,
-        signature=signature,
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=tolerance,
-        flops=lambda p: 5.0 * p.rows * p.cols,
-        bytes_moved=bytes_moved,
-        size_fields=("rows", "cols"),
-        streaming=("rows",),
-        default_problems=lambda device_class: default_problems(device_class),
-    )
-)
+SPEC = _rowwise.register("swiglu", SwigluProblem, signature=signature, make_inputs=make_inputs, reference=reference,
+                         flops=lambda p: 5.0 * p.rows * p.cols, bytes_moved=bytes_moved,
+                         problems=lambda device_class: default_problems(device_class))
 
 
 def default_problems(device_class: str) -> list[SwigluProblem]:
