@@ -171,12 +171,15 @@ def test_resume_and_reap_touch_only_dead_runs(tmp_path):
     for rid in (live_id, dead_id):
         study.ask().set_user_attr(RUN_ATTR, rid)
     t = Tuner(TuneOptions(device="cpu", problems=[], db_url=url, log=lambda s: None))
+    from tuner.leases import Leases
+
     t.engine, t.run_id = engine, -1
+    t.leases = Leases(engine, "cpu", -1, t.log)
     task = Task("gemm", get_op("gemm").problem(32, 32, 32), "s", 1, study, [], deque(), deque(), budget=4)
     t._resume(task, [])
     states = {tr.user_attrs[RUN_ATTR]: tr.state for tr in study.get_trials(deepcopy=False)}
     assert states == {live_id: optuna.trial.TrialState.RUNNING, dead_id: optuna.trial.TrialState.FAIL}
     assert task.asked == 1
-    t._reap()
+    t.leases.reap()
     with Session(engine) as s:
         assert s.get(db.Run, live_id).status == "running" and s.get(db.Run, dead_id).status == "interrupted"

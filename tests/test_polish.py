@@ -23,6 +23,7 @@ from kernel_space import OpsAdvError, get_op
 from kernel_space._common import canonical_dtype
 from tuner import TuneOptions, Tuner
 from tuner import driver
+from tuner import study as study_module
 from tuner.progress import Progress, wants_bar
 
 TUNE_CODE = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
@@ -70,8 +71,9 @@ def test_a_database_tuned_under_the_old_names_resumes_under_them(ray_session, sq
                 for c in i.configs())
     assert valid >= 6
     with monkeypatch.context() as m:  # the driver as it was: studies named opsadv:<device>:<op>:<hash>:<kernels>
-        m.setattr(driver, "study_name", driver.legacy_study_name)
-        m.setattr(driver, "_set_attrs", lambda *a: None)  # nor any user attributes
+        m.setattr(study_module, "study_name", driver.legacy_study_name)
+        m.setattr(study_module, "_set_attrs", lambda *a: None)  # nor any user attributes
+        m.setattr(driver, "_set_attrs", lambda *a: None)
         _tune(sqlite_url, [("gemm", problem)], trials=3)
     legacy = driver.legacy_study_name("cpu", "gemm", problem, "cpu")
     assert optuna.study.get_all_study_names(sqlite_url) == [legacy]
