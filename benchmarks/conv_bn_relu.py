@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from kernel_space import get_impl, get_op, relative_error  # noqa: E402
-from ops_adv._conv_fused import ConvBNReLU, fold_bn, fuse_conv_bn_relu  # noqa: E402
+from ops_adv.models.conv_bn import ConvBNReLU, fold_bn, fuse_conv_bn_relu  # noqa: E402
 from workers.timing import interleaved, time_fn  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
