@@ -5,22 +5,34 @@ Imports nothing of the tuning stack (ray, optuna, sqlalchemy, alembic, tuner, wo
 from __future__ import annotations
 
 import importlib as _importlib
+import sys as _sys
 
 import kernel_space as _ks
 from kernel_space import NoImplementationError, OpsAdvError, UnknownOpError, register_impl
 
-from . import _settings, debug, profiler
-from ._benchmark import benchmark
+from . import _settings
 from ._dispatch import dispatch, explain, load_table, misses, op_function, write_misses
-from ._convert import convert_model, explain_model
-from ._ops import attention, conv2d, gemm, layer_norm, linear, rms_norm, softmax
-from . import _epilogue  # noqa: F401  (ops_adv::linear, which linear(..., activation=...) runs)
-from ._decode import decode_attention
-from ._fused import add_layer_norm, add_rms_norm, swiglu
-from ._rope import apply_rotary_pos_emb, rope
-from ._conv_fused import conv2d_bn_relu
-from ._record import record, tune_for_hardware
 from ._table import TableError
+from .ops.gemm import gemm
+from .ops.linear import linear
+from .ops.attention import attention
+from .ops.decode_attention import decode_attention
+from .ops.layer_norm import layer_norm
+from .ops.rms_norm import rms_norm
+from .ops.softmax import softmax
+from .ops.conv2d import conv2d
+from .ops.add_rms_norm import add_rms_norm
+from .ops.add_layer_norm import add_layer_norm
+from .ops.swiglu import swiglu
+from .ops.rope import apply_rotary_pos_emb, rope
+from .ops.conv2d_bn_relu import conv2d_bn_relu
+from .models.convert import convert_model, explain_model
+from .models.record import record, tune_for_hardware
+from .tools import debug, profiler
+from .tools.benchmark import benchmark
+
+# `ops_adv.debug` and `ops_adv.profiler` are the tools' modules, also as import paths (`from ops_adv.profiler import ...`)
+_sys.modules[__name__ + ".debug"], _sys.modules[__name__ + ".profiler"] = debug, profiler
 
 for _m in _settings.plugins():
     _importlib.import_module(_m)

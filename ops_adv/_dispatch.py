@@ -326,7 +326,7 @@ def _build_index(spec, table: dict[tuple, dict]) -> dict[tuple, tuple[Any, list[
 
 
 def _generic(op: str) -> Callable[..., Any]:
-    """An op with no torch counterpart in `_ops` (a plugin's): signature, lookup, call."""
+    """An op with no function in `ops_adv.ops` (a plugin's): signature, lookup, call."""
     signature = get_op(op).signature
 
     def run(*tensors: Any, **attrs: Any) -> Any:
@@ -336,17 +336,21 @@ def _generic(op: str) -> Callable[..., Any]:
     return run
 
 
+# op -> the function `ops_adv.<op>`: each module of `ops_adv.ops` registers its own; other ops get _generic.
+# An op that routes to another (linear to gemm) calls it through here, so no op module imports another.
 _OP_FUNCS: dict[str, Callable[..., Any]] = {}
+
+
+def register_function(op: str, fn: Callable[..., Any]) -> None:
+    """Make `fn` the function that `ops_adv.<op>`, `op_function(op)` and `dispatch(op, ...)` run."""
+    _OP_FUNCS[op] = fn
 
 
 def op_function(op: str) -> Callable[..., Any]:
     """The function `ops_adv.<op>` for `op`."""
     fn = _OP_FUNCS.get(op)
     if fn is None:
-        import ops_adv
-
-        public = getattr(ops_adv, op, None) if op in ops_adv.__all__ else None
-        fn = _OP_FUNCS[op] = public if callable(public) else _generic(op)
+        fn = _OP_FUNCS[op] = _generic(op)
     return fn
 
 

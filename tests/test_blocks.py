@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ops_adv
-from ops_adv import _blocks
+from ops_adv.models import blocks as _blocks
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from kernel_space import get_impl, get_op, impls, relative_error
 from kernel_space.conv2d_bn_relu import ConvBnReluProblem
-from ops_adv._conv_fused import ConvBNReLU, conv2d_bn_relu, fuse_conv_bn_relu
+from ops_adv.models.conv_bn import ConvBNReLU, fuse_conv_bn_relu
+from ops_adv.ops.conv2d_bn_relu import conv2d_bn_relu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 P = ConvBnReluProblem

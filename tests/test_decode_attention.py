@@ -191,7 +191,7 @@ def test_reference_is_bottom_right_and_ragged():
 
 @pytest.fixture
 def decode():
-    from ops_adv._decode import decode_attention
+    from ops_adv.ops.decode_attention import decode_attention
 
     return decode_attention
 
@@ -280,7 +280,7 @@ def test_op_gradients_match_autograd_of_the_reference(decode):
 
 
 def test_custom_operator_registration():
-    from ops_adv import _decode  # noqa: F401
+    from ops_adv.ops import decode_attention  # noqa: F401
 
     q, k, v = _qkv()
     torch.library.opcheck(torch.ops.ops_adv.decode_attention.default, (q, k, v, torch.tensor([4, 0]), True))

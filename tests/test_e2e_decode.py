@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ops_adv
-from ops_adv import _convert
+from ops_adv.models import hf as _convert
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,14 +78,14 @@ def test_static_cache_decode_matches_eager_and_runs_decode_attention(no_table, b
     assert len(decode_routes) == 8 * layers
     assert all(r.startswith("decode_attention") or r == "sdpa (decode_attention not installed)" for r in decode_routes), \
         set(decode_routes)
-    if importlib.util.find_spec("ops_adv._decode") is None:
-        pytest.skip("ops_adv._decode is not there yet: decode steps ran SDPA (tokens and logits checked)")
+    if importlib.util.find_spec("ops_adv.ops.decode_attention") is None:
+        pytest.skip("ops_adv.ops.decode_attention is not there yet: decode steps ran SDPA (tokens and logits checked)")
     assert decode_routes == ["decode_attention"] * len(decode_routes)
 
 
 def test_decode_steps_call_decode_attention_with_valid_lengths(no_table, monkeypatch):
     """The kernel entry point itself is called, with seq_lens equal to the filled length (no host sync needed)."""
-    decode = pytest.importorskip("ops_adv._decode")
+    decode = pytest.importorskip("ops_adv.ops.decode_attention")
     seen = []
     real = decode.decode_attention
 

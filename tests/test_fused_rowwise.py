@@ -14,7 +14,9 @@ from kernel_space._registry import SOURCES, source_of
 from kernel_space.add_layer_norm import AddLayerNormProblem
 from kernel_space.add_rms_norm import AddRmsNormProblem
 from kernel_space.swiglu import SwigluProblem
-from ops_adv import _dispatch, _fused
+from ops_adv import _dispatch
+from ops_adv.models import hf as _hf
+from ops_adv.ops import add_layer_norm as _add_ln, add_rms_norm as _add_rms, swiglu as _swiglu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(DEVICE == "cpu", reason="needs a CUDA GPU")
@@ -164,42 +166,42 @@ def _t(*shape, dtype=torch.float32, seed=0, requires_grad=False):
 def test_runtime_ops_match_composite(dtype):
     x, r, w, b = _t(2, 5, 48, dtype=dtype), _t(2, 5, 48, dtype=dtype, seed=1), _t(48, dtype=dtype, seed=2), _t(48, dtype=dtype, seed=3)
     for eps in (None, 1e-5):
-        y, h = _fused.add_rms_norm(x, r, w, eps)
+        y, h = _add_rms.add_rms_norm(x, r, w, eps)
         cy, ch = F.rms_norm(x + r, (48,), w, eps), x + r
         assert torch.equal(h, ch) and torch.allclose(y, cy, rtol=1e-2, atol=1e-2)
-    y, h = _fused.add_layer_norm(x, r, w, b, 1e-5)
+    y, h = _add_ln.add_layer_norm(x, r, w, b, 1e-5)
     assert torch.equal(h, x + r) and torch.allclose(y, F.layer_norm(x + r, (48,), w, b), rtol=1e-2, atol=1e-2)
     gu = _t(3, 4, 64, dtype=dtype)
-    assert torch.allclose(_fused.swiglu(gu), F.silu(gu[..., :32]) * gu[..., 32:], rtol=1e-2, atol=1e-2)
-    assert torch.allclose(_fused.swiglu(x, r), F.silu(x) * r, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(_swiglu.swiglu(gu), F.silu(gu[..., :32]) * gu[..., 32:], rtol=1e-2, atol=1e-2)
+    assert torch.allclose(_swiglu.swiglu(x, r), F.silu(x) * r, rtol=1e-2, atol=1e-2)
     assert _dispatch.explain("add_rms_norm", x, r, w)["impl"] == "torch_add_rms_norm"  # CPU: the composite
 
 
 def test_runtime_fallbacks_keep_torch_semantics():
     x, w = _t(4, 16), _t(16, seed=2)
     r_bcast = _t(16, seed=1)  # broadcasts against x: torch's composite handles it
-    y, h = _fused.add_rms_norm(x, r_bcast, w, 1e-6)
+    y, h = _add_rms.add_rms_norm(x, r_bcast, w, 1e-6)
     assert torch.equal(h, x + r_bcast) and torch.allclose(y, F.rms_norm(x + r_bcast, (16,), w, 1e-6))
     r16 = _t(4, 16, dtype=torch.float16, seed=1)  # mixed dtypes promote as torch does
-    y, h = _fused.add_layer_norm(x, r16, w)
+    y, h = _add_ln.add_layer_norm(x, r16, w)
     assert h.dtype == torch.float32 and torch.equal(h, x + r16)
     xd = _t(4, 16, dtype=torch.float64)  # float64: no kernel family, torch itself
-    y, h = _fused.add_rms_norm(xd, xd, w.double())
+    y, h = _add_rms.add_rms_norm(xd, xd, w.double())
     assert y.dtype == torch.float64 and torch.allclose(y, F.rms_norm(2 * xd, (16,), w.double()))
-    y, h = _fused.add_rms_norm(x, x, None)  # no weight
+    y, h = _add_rms.add_rms_norm(x, x, None)  # no weight
     assert torch.allclose(y, F.rms_norm(2 * x, (16,)))
-    assert _fused.swiglu(_t(0, 8)).shape == (0, 4)  # empty
+    assert _swiglu.swiglu(_t(0, 8)).shape == (0, 4)  # empty
     with pytest.raises(ValueError, match="even last dimension"):  # an odd merged width: no gate/up halves
-        _fused.swiglu(_t(2, 7))
+        _swiglu.swiglu(_t(2, 7))
     with pytest.raises(RuntimeError):
-        _fused.add_rms_norm(x, _t(4, 15), w)
+        _add_rms.add_rms_norm(x, _t(4, 15), w)
 
 
 def test_compile_fullgraph_cpu():
     def block(x, r, w, b, gu):
-        y, h = _fused.add_rms_norm(x, r, w, 1e-6)
-        z, h2 = _fused.add_layer_norm(y, h, w, b)
-        return z + h2, _fused.swiglu(gu), _fused.swiglu(x, r)
+        y, h = _add_rms.add_rms_norm(x, r, w, 1e-6)
+        z, h2 = _add_ln.add_layer_norm(y, h, w, b)
+        return z + h2, _swiglu.swiglu(gu), _swiglu.swiglu(x, r)
 
     args = (_t(3, 32), _t(3, 32, seed=1), _t(32, seed=2), _t(32, seed=3), _t(3, 64, seed=4))
     eager = block(*args)
@@ -226,15 +228,15 @@ def test_gradients_match_composite(case):
     """Gradients through the custom operators (fp32) against torch's composite in float64."""
     x, r, w, b = _t(3, 4, 40), _t(3, 4, 40, seed=1), 1 + 0.1 * _t(40, seed=2), _t(40, seed=3)
     if case == "add_rms_norm":
-        ours, theirs, inputs = (lambda x, r, w: _fused.add_rms_norm(x, r, w, 1e-6)), \
-            (lambda x, r, w: _fused._add_rms_composite(x, r, w, 1e-6)), (x, r, w)
+        ours, theirs, inputs = (lambda x, r, w: _add_rms.add_rms_norm(x, r, w, 1e-6)), \
+            (lambda x, r, w: _add_rms._add_rms_composite(x, r, w, 1e-6)), (x, r, w)
     elif case == "add_layer_norm":
-        ours, theirs, inputs = (lambda x, r, w, b: _fused.add_layer_norm(x, r, w, b)), \
-            (lambda x, r, w, b: _fused._add_ln_composite(x, r, w, b, 1e-5)), (x, r, w, b)
+        ours, theirs, inputs = (lambda x, r, w, b: _add_ln.add_layer_norm(x, r, w, b)), \
+            (lambda x, r, w, b: _add_ln._add_ln_composite(x, r, w, b, 1e-5)), (x, r, w, b)
     elif case == "swiglu":
-        ours, theirs, inputs = _fused.swiglu, _fused._swiglu_composite, (x, r)
+        ours, theirs, inputs = _swiglu.swiglu, _swiglu._swiglu_composite, (x, r)
     else:
-        ours, theirs, inputs = _fused.swiglu, (lambda gu: _fused._swiglu_composite(gu, None)), (_t(5, 64),)
+        ours, theirs, inputs = _swiglu.swiglu, (lambda gu: _swiglu._swiglu_composite(gu, None)), (_t(5, 64),)
     got = _grads(ours, inputs)
     want = _grads(theirs, [t.double() for t in inputs])
     for a, e in zip(got, want):
@@ -245,20 +247,20 @@ def test_gradients_match_composite(case):
 def test_gradient_of_one_output_and_export():
     """Only the normed output (or only the residual) in the loss; torch.export keeps the custom operators."""
     x, r, w = _t(3, 24, requires_grad=True), _t(3, 24, seed=1, requires_grad=True), _t(24, seed=2, requires_grad=True)
-    y, h = _fused.add_rms_norm(x, r, w, 1e-6)
+    y, h = _add_rms.add_rms_norm(x, r, w, 1e-6)
     y.sum().backward()
     xc, rc, wc = (t.detach().double().requires_grad_() for t in (x, r, w))
     F.rms_norm(xc + rc, (24,), wc, 1e-6).sum().backward()
     assert relative_error(x.grad, xc.grad) < 1e-5 and relative_error(w.grad, wc.grad) < 1e-5
     x.grad = w.grad = None
-    _, h = _fused.add_layer_norm(x, r, w)
+    _, h = _add_ln.add_layer_norm(x, r, w)
     (3 * h).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0)) and torch.equal(w.grad, torch.zeros_like(w))
 
     class Block(torch.nn.Module):
         def forward(self, x, r, w, gu):
-            y, h = _fused.add_rms_norm(x, r, w, 1e-6)
-            return y + h, _fused.swiglu(gu)
+            y, h = _add_rms.add_rms_norm(x, r, w, 1e-6)
+            return y + h, _swiglu.swiglu(gu)
 
     ep = torch.export.export(Block(), (x.detach(), r.detach(), w.detach(), _t(3, 16)))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
@@ -302,11 +304,11 @@ def test_llama_mlp_forward(cls):
     torch.manual_seed(0)
     mlp = cls(16, 40)
     x = torch.randn(2, 3, 16)
-    assert _fused.is_swiglu_mlp(mlp)
+    assert _hf.is_swiglu_mlp(mlp)
     with torch.no_grad():
-        assert torch.allclose(_fused.llama_mlp_forward(mlp, x), mlp(x), atol=1e-5)
+        assert torch.allclose(_hf.llama_mlp_forward(mlp, x), mlp(x), atol=1e-5)
     with pytest.raises(TypeError, match="SiLU-gated"):
-        _fused.llama_mlp_forward(torch.nn.Linear(4, 4), x)
+        _hf.llama_mlp_forward(torch.nn.Linear(4, 4), x)
 
 
 # --------------------------------------------------------------------------- Liger candidates and sources
@@ -400,11 +402,11 @@ def test_gpu_bf16_every_candidate(op):
 def test_gpu_bf16_runtime_ops():
     x, r = _t(4, 7, 4096, dtype=torch.bfloat16).cuda(), _t(4, 7, 4096, dtype=torch.bfloat16, seed=1).cuda()
     w = (1 + 0.1 * _t(4096, seed=2)).to(torch.bfloat16).cuda()
-    y, h = _fused.add_rms_norm(x, r, w, 1e-6)
+    y, h = _add_rms.add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(h, x + r) and relative_error(y, F.rms_norm(x + r, (4096,), w, 1e-6)) < 2e-2
     gu = _t(4, 2 * 14336, dtype=torch.bfloat16).cuda()
-    assert relative_error(_fused.swiglu(gu), F.silu(gu[..., :14336]) * gu[..., 14336:]) < 2e-2
-    f = torch.compile(lambda a, b, c: _fused.add_rms_norm(a, b, c, 1e-6), fullgraph=True)
+    assert relative_error(_swiglu.swiglu(gu), F.silu(gu[..., :14336]) * gu[..., 14336:]) < 2e-2
+    f = torch.compile(lambda a, b, c: _add_rms.add_rms_norm(a, b, c, 1e-6), fullgraph=True)
     y2, h2 = f(x, r, w)
     assert torch.equal(h2, h) and relative_error(y2, y) < 1e-2
 

@@ -1,5 +1,5 @@
 """The linear op (x @ W.T + b, then an activation): its implementations against the reference, and
-the runtime `ops_adv._epilogue.linear` against F.linear + torch's activation (eager, fallbacks,
+the runtime `ops_adv.ops.linear.linear_fused` against F.linear + torch's activation (eager, fallbacks,
 custom operator, autograd, torch.compile)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kernel_space import get_impl, get_op, relative_error
 from kernel_space.linear import ACTIVATIONS, LinearProblem, activate
 from ops_adv import _dispatch
-from ops_adv._epilogue import linear
+from ops_adv.ops.linear import linear_fused as linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPEC = get_op("linear")

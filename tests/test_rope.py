@@ -7,7 +7,7 @@ import torch
 
 from kernel_space import get_impl, get_op, relative_error
 from kernel_space.rope.problem import RopeProblem
-from ops_adv._rope import apply_rotary_pos_emb, rope
+from ops_adv.ops.rope import apply_rotary_pos_emb, rope
 
 pytest.importorskip("triton")
 hf = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -110,7 +110,7 @@ def route(request, monkeypatch):
     if request.param == "default":
         yield None
         return
-    import ops_adv._rope as m
+    import ops_adv.ops.rope as m
 
     class Kernel(dict):  # every rope problem resolves to the Triton kernel at a config valid for it
         calls = 0

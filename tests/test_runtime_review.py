@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 from kernel_space import get_impl, get_op
 from kernel_space.decode_attention.problem import reference as decode_reference
 from kernel_space.linear import activate
-from ops_adv import _decode, _dispatch, _epilogue, _fused, _rope
-from ops_adv._conv_fused import conv2d_bn_relu
+from ops_adv import _dispatch
+from ops_adv.ops import add_layer_norm as _add_ln, add_rms_norm as _add_rms, decode_attention as _decode, \
+    rope as _rope, swiglu as _swiglu
+from ops_adv.ops.conv2d_bn_relu import conv2d_bn_relu
+from ops_adv.ops.linear import linear_fused
 
 O = torch.ops.ops_adv
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton-route tests run (the interpreter on the CPU)
@@ -220,7 +223,7 @@ def test_add_norms_property(lead, cols, dtype, res, weight, bias, grads, no_grad
 
     def run(rms, ours):
         if ours:
-            return _fused.add_rms_norm(x, r, w) if rms else _fused.add_layer_norm(x, r, w, b)
+            return _add_rms.add_rms_norm(x, r, w) if rms else _add_ln.add_layer_norm(x, r, w, b)
         h = x + r
         return (F.rms_norm(h, h.shape[-1:], w), h) if rms else (F.layer_norm(h, h.shape[-1:], w, b), h)
 
@@ -248,7 +251,7 @@ def test_swiglu_property(lead, n, merged, dtype, up, grad):
     if grad and dtype is not torch.float16:
         gate.requires_grad_(True)
     want = _outcome(lambda: F.silu(gate[..., :n]) * gate[..., n:] if merged else F.silu(gate) * u)
-    got = _outcome(lambda: _fused.swiglu(gate, u))
+    got = _outcome(lambda: _swiglu.swiglu(gate, u))
     _same(got, want, dtype)
     if gate.requires_grad and want[0].numel():
         go = torch.randn_like(want[0])
@@ -260,7 +263,7 @@ def test_swiglu_odd_merged_width_is_a_clear_error(shape):
     """An odd merged width has no gate/up halves: torch's composite failed with a size mismatch, or for width 1
     returned an empty tensor silently."""
     with pytest.raises(ValueError, match="even last dimension"):
-        _fused.swiglu(torch.randn(shape))
+        _swiglu.swiglu(torch.randn(shape))
 
 
 # --------------------------------------------------------------------------- linear with an activation
@@ -279,7 +282,7 @@ def test_linear_activation_property(lead, K, N, act, bias, dtype, wt, grads):
             if n in grads and t is not None:
                 t.requires_grad_(True)
     want = _outcome(lambda: activate(F.linear(x, w, b), act))
-    got = _outcome(lambda: _epilogue.linear(x, w, b, act))
+    got = _outcome(lambda: linear_fused(x, w, b, act))
     _same(got, want, dtype)
     ins = [t for t in (x, w, b) if t is not None and t.requires_grad]
     if ins and isinstance(want, tuple) and want[0].numel():
@@ -292,7 +295,7 @@ def test_linear_activation_property(lead, K, N, act, bias, dtype, wt, grads):
 def test_linear_gradient_with_an_empty_dimension(K, N):
     """Found by test_linear_activation_property: the backward reshaped with -1, which fails when K or N is 0."""
     x, w = torch.randn(2, K, requires_grad=True), torch.randn(N, K, requires_grad=True)
-    gx, gw = torch.autograd.grad(_epilogue.linear(x, w, None, "relu").sum(), (x, w))
+    gx, gw = torch.autograd.grad(linear_fused(x, w, None, "relu").sum(), (x, w))
     assert gx.shape == x.shape and gw.shape == w.shape and not gx.any() and not gw.any()
 
 
@@ -353,12 +356,12 @@ def test_autocast_gives_torchs_dtypes(triton_route):
     q, k, v = (torch.randn(shape, device=DEV) for shape in ((1, 4, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16)))
     r, nw = torch.randn(4, 16, device=DEV), torch.randn(16, device=DEV)
     cx, cw, cb = torch.randn(1, 3, 5, 5, device=DEV), torch.randn(4, 3, 3, 3, device=DEV), torch.randn(4, device=DEV)
-    cases = [("triton", lambda: _epilogue.linear(x, w, b, "relu"), lambda: F.relu(F.linear(x, w, b))),
+    cases = [("triton", lambda: linear_fused(x, w, b, "relu"), lambda: F.relu(F.linear(x, w, b))),
              ("triton_decode", lambda: _decode.decode_attention(q, k, v),
               lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
-             ("triton_add_layer_norm", lambda: _fused.add_layer_norm(x, r, nw, nw)[0],
+             ("triton_add_layer_norm", lambda: _add_ln.add_layer_norm(x, r, nw, nw)[0],
               lambda: F.layer_norm(x + r, (16,), nw, nw)),
-             ("triton_add_rms_norm", lambda: _fused.add_rms_norm(x, r, nw)[0], lambda: F.rms_norm(x + r, (16,), nw)),
+             ("triton_add_rms_norm", lambda: _add_rms.add_rms_norm(x, r, nw)[0], lambda: F.rms_norm(x + r, (16,), nw)),
              ("triton_implicit_gemm", lambda: conv2d_bn_relu(cx, cw, cb, 1, 1, 1),
               lambda: F.relu(F.conv2d(cx, cw, cb, 1, 1)))]
     for impl, ours, theirs in cases:
@@ -425,7 +428,7 @@ def test_export_keeps_the_custom_operators():
         def forward(self, q, k, v, lens, x, r, lw, lb, cx, cw, cb):
             a = _decode.decode_attention(q, k, v, lens, causal=True)
             qo, ko = _rope.rope(x.view(2, 3, 1, 8), r.view(2, 3, 1, 8), cos, sin)
-            return a, qo, ko, _epilogue.linear(x, lw, lb, "gelu"), conv2d_bn_relu(cx, cw, cb, 1, 1, 1)
+            return a, qo, ko, linear_fused(x, lw, lb, "gelu"), conv2d_bn_relu(cx, cw, cb, 1, 1, 1)
 
     args = (torch.randn(2, 4, 2, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), torch.tensor([3, 5]),
             torch.randn(6, 8), torch.randn(6, 8), torch.randn(5, 8), torch.randn(5), torch.randn(1, 3, 5, 5),

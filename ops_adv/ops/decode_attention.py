@@ -3,14 +3,12 @@
 `decode_attention(q, k, v, seq_lens=None, *, causal=False, scale=None)`: q (B, Hq, Sq, D), k and v
 (B, Hkv, Skv, D), Hq a multiple of Hkv (K/V heads are shared, never copied); `seq_lens` (B,)
 limits sequence b to keys [0, seq_lens[b]) (a zero length gives zeros); `causal` aligns
-bottom-right against each sequence's length. As the other ops (`_ops`): eager calls are a
+bottom-right against each sequence's length. As the other ops (`ops_adv._op`): eager calls are a
 signature and a dict lookup; under torch.compile, tracing or autograd the `ops_adv::decode_attention`
 custom operator runs; calls no kernel covers (a custom scale, other ranks or dtypes) run SDPA with
 the same semantics. Nothing reads `seq_lens` on the host, so calls capture in CUDA graphs.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +17,8 @@ from kernel_space._common import DTYPE_CODE
 from kernel_space.decode_attention.problem import visible
 from kernel_space.decode_attention.vendor import sdpa_decode
 
-from ._dispatch import cache_for, lookup
-from ._ops import _autocast, _fresh, _traced
+from .._dispatch import cache_for, lookup, register_function
+from .._op import _autocast, _fresh, _traced, define
 
 _decode_cache = cache_for("decode_attention")
 _LENS_DTYPES = (torch.int32, torch.int64)
@@ -101,33 +99,28 @@ def _decode_grads(q, k, v, seq_lens, causal: bool, g):
     return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
 
 
-_lib_ops: dict[str, Any] = {}
+# --------------------------------------------------------------------------- custom operator
 
 
-def _define_decode() -> None:
-    """Register `ops_adv::decode_attention` with its fake kernel and autograd formula."""
-    from torch.library import custom_op
-
-    @custom_op("ops_adv::decode_attention", mutates_args=())
-    def decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
-                  causal: bool) -> torch.Tensor:
-        return _fresh(_decode(q, k, v, seq_lens, causal), (q, k, v))
-
-    @decode_op.register_fake
-    def _(q, k, v, seq_lens, causal):
-        return q.new_empty(q.shape[:-1] + v.shape[-1:])
-
-    def setup(ctx, inputs, output):
-        q, k, v, seq_lens, causal = inputs
-        ctx.causal = causal
-        ctx.save_for_backward(q, k, v, seq_lens)
-
-    def backward(ctx, g):
-        q, k, v, seq_lens = ctx.saved_tensors
-        return (*_decode_grads(q, k, v, seq_lens, ctx.causal, g), None, None)
-
-    decode_op.register_autograd(backward, setup_context=setup)
-    _lib_ops["decode_attention"] = decode_op
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+    return _fresh(_decode(q, k, v, seq_lens, causal), (q, k, v))
 
 
-_define_decode()
+def _fake(q, k, v, seq_lens, causal):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, seq_lens, causal = inputs
+    ctx.causal = causal
+    ctx.save_for_backward(q, k, v, seq_lens)
+
+
+def _backward(ctx, g):
+    q, k, v, seq_lens = ctx.saved_tensors
+    return (*_decode_grads(q, k, v, seq_lens, ctx.causal, g), None, None)
+
+
+define("decode_attention", _decode_op, _fake, setup=_setup, backward=_backward)
+register_function("decode_attention", decode_attention)

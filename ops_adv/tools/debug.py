@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import _dispatch
+from .. import _dispatch
 
 
 def _nonfinite(x: Any) -> bool:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from kernel_space import get_op
 
-from . import _dispatch
+from .. import _dispatch
 
 # Dense peaks per device class: (bf16/fp16 tensor TFLOP/s, fp32 TFLOP/s, HBM TB/s), from vendor data sheets.
 PEAKS: dict[str, tuple[float, float, float]] = {

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 from kernel_space import OpsAdvError, get_op
 
-from . import _dispatch
+from .. import _dispatch
 
 
 class Recording:

@@ -16,7 +16,11 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from . import _ops
+from ..ops.conv2d import conv2d
+from ..ops.layer_norm import layer_norm
+from ..ops.linear import linear
+from ..ops.rms_norm import rms_norm
+from . import blocks, conv_bn, hf
 
 _SUBCLASSES: dict[type, type] = {}
 
@@ -24,21 +28,21 @@ _SUBCLASSES: dict[type, type] = {}
 # Parameters are read from `_parameters`: through nn.Module.__getattr__ each name costs ~0.3 µs a call.
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     p = self._parameters
-    return _ops.linear(x, p["weight"], p["bias"])
+    return linear(x, p["weight"], p["bias"])
 
 
 def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     p = self._parameters
     if len(self.normalized_shape) != 1 or p["weight"] is None:
         return super(type(self), self).forward(x)
-    return _ops.layer_norm(x, p["weight"], p["bias"], self.eps)
+    return layer_norm(x, p["weight"], p["bias"], self.eps)
 
 
 def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     p = self._parameters
     if len(self.normalized_shape) != 1 or p["weight"] is None:
         return super(type(self), self).forward(x)
-    return _ops.rms_norm(x, p["weight"], self.eps)
+    return rms_norm(x, p["weight"], self.eps)
 
 
 def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,16 +51,14 @@ def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
     bn = self.__dict__.get("_ops_adv_bn")
     if bn is not None and not self.training and not bn.training:
         w, b = _folded(self, bn)
-        return _ops.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+        return conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
     if bn is not None:  # batch norm in train mode updates its statistics without a version bump: fold again later
         self.__dict__.pop("_ops_adv_folded", None)
-    return _ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+    return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
-    from ._conv_fused import fold_bn
-
-    return fold_bn(conv, bn)
+    return conv_bn.fold_bn(conv, bn)
 
 
 def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,7 @@ def _library_rms_forward(self, x: torch.Tensor) -> torch.Tensor:
     name = _EPS_NAMES.get(type(self))
     if name is None:  # a missing name costs ~1.5 µs through nn.Module.__getattr__: found once per class
         name = _EPS_NAMES[type(self)] = _eps_attr(self)
-    return _ops.rms_norm(x, w, float(getattr(self, name)))
+    return rms_norm(x, w, float(getattr(self, name)))
 
 
 _EPS_NAMES: dict[type, str] = {}
@@ -144,7 +146,7 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
 
     With `fuse`, decoder blocks whose forward adds a residual before an RMS norm, multiplies a
     SiLU gate by an up projection, or applies transformers' rotary embedding run the fused ops
-    (`ops_adv._blocks`), and eval-mode Conv2d -> BatchNorm2d (-> ReLU) runs as one conv2d_bn_relu.
+    (`ops_adv.models.blocks`), and eval-mode Conv2d -> BatchNorm2d (-> ReLU) runs as one conv2d_bn_relu.
 
     Converts in place and returns the model, with `tune_for_hardware` attached and
     `ops_adv.explain_model(model)` describing what was and was not converted.
@@ -178,7 +180,7 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
         report += _fuse_conv_bn_relu(model)
     report += _fold_batch_norms(model)
     if attention:
-        report += _hf_attention(model)
+        report += hf.use_attention(model)
     model._ops_adv_report = report
     model.tune_for_hardware = types.MethodType(_tune_method, model)
     return model
@@ -189,9 +191,7 @@ _FUSED: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 def _fuse_blocks(model: nn.Module) -> list[dict[str, str]]:
-    """Rewrite the forward of blocks with fusable patterns (see `_blocks`); the class is swapped per pattern set."""
-    from . import _blocks
-
+    """Rewrite the forward of blocks with fusable patterns (see `blocks`); the class is swapped per pattern set."""
     def rms_ok(norm: Any) -> bool:
         return isinstance(norm, nn.Module) and (isinstance(norm, nn.RMSNorm) or _looks_like_rms_norm(norm) is None)
 
@@ -201,7 +201,7 @@ def _fuse_blocks(model: nn.Module) -> list[dict[str, str]]:
         if not list(m.children()) or cls.__module__.startswith("torch.") or getattr(cls, "_ops_adv_fused", False) \
                 or cls in _NO_FUSION:
             continue
-        new, done, why = _blocks.rewrite_forward(m, rms_ok)
+        new, done, why = blocks.rewrite_forward(m, rms_ok)
         if new is None:
             if why.startswith("no residual-add") or "not readable" in why or "not a" in why:
                 _NO_FUSION[cls] = why  # a property of the class's code, not of this instance
@@ -220,9 +220,7 @@ def _fuse_conv_bn_relu(model: nn.Module) -> list[dict[str, str]]:
     """Conv2d -> BatchNorm2d (-> ReLU) in eval mode as one conv2d_bn_relu with folded weights."""
     if model.training or not any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
         return []
-    from ._conv_fused import fuse_conv_bn_relu
-
-    return fuse_conv_bn_relu(model)
+    return conv_bn.fuse_conv_bn_relu(model)
 
 
 def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
@@ -252,7 +250,7 @@ def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
             continue
         bn = modules[n.target]
         if bn.__dict__.get("_ops_adv_fused"):
-            continue  # runs in a fused conv2d_bn_relu site (see _conv_fused)
+            continue  # runs in a fused conv2d_bn_relu site (see conv_bn)
         if len(src.users) != 1 or calls[src.target] != 1 or calls[n.target] != 1 or not bn.track_running_stats \
                 or bn.running_var is None:
             out.append({"module": n.target, "type": "BatchNorm2d", "converted": "no",
@@ -276,131 +274,6 @@ def explain_model(model: nn.Module) -> list[dict[str, str]]:
 
 
 def _tune_method(model: nn.Module, *args: Any, **kwargs: Any) -> dict:
-    from ._record import tune_for_hardware
+    from .record import tune_for_hardware
 
     return tune_for_hardware(model, *args, **kwargs)
-
-
-# --------------------------------------------------------------------------- transformers attention
-
-# Masks made by ops_adv's mask function in the current forward: (q_length, kv_length) -> True when the
-# mask is causal over cache slots [0, seq_len) with no padding (then seq_lens can be read off the mask
-# on the device and decode_attention computes the same thing). Cleared by a forward pre-hook, so a 4-D
-# mask a caller passes in (transformers skips the mask function then) is never taken for one of ours.
-_PREFIX_MASKS: dict[tuple[int, int], bool] = {}
-# When a list, hf_attention_forward appends the route of each call (benchmarks and tests read it; eager only).
-ROUTE_LOG: list[str] | None = None
-DECODE_MAX_QUERY = _ops.DECODE_MAX_QUERY
-
-
-def _ops_adv_mask(*args: Any, **kwargs: Any) -> Any:
-    """transformers' SDPA mask, noting whether it is a plain causal mask over cache slots."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
-
-    mask = sdpa_mask(*args, **kwargs)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        pure = (not args and kwargs.get("attention_mask") is None and not kwargs.get("use_vmap")
-                and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-                and kwargs.get("local_size") is None and not isinstance(kwargs.get("kv_offset", 0), torch.Tensor)
-                and kwargs.get("kv_offset", 0) == 0 and mask.dtype == torch.bool)
-        key = (mask.shape[-2], mask.shape[-1])
-        _PREFIX_MASKS[key] = pure and _PREFIX_MASKS.get(key, True)  # a shape seen both ways stays False
-    return mask
-
-
-def _clear_masks(module: nn.Module, args: Any) -> None:
-    _PREFIX_MASKS.clear()
-
-
-def _hf_attention(model: nn.Module) -> list[dict[str, str]]:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        return []
-    try:
-        from transformers import AttentionInterface, PreTrainedModel
-    except ImportError:
-        return [{"module": "", "type": "attention", "converted": "no", "why": "transformers is not importable"}]
-    AttentionInterface.register("ops_adv", hf_attention_forward)
-    try:  # the masks transformers builds for SDPA (None where is_causal says it all)
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-        ALL_MASK_ATTENTION_FUNCTIONS.register("ops_adv", _ops_adv_mask)
-    except ImportError:
-        pass
-    before = config._attn_implementation
-    try:
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("ops_adv")
-        else:
-            config._attn_implementation = "ops_adv"
-    except Exception as e:  # a model that refuses custom attention keeps its own
-        return [{"module": "", "type": "attention", "converted": "no", "why": f"{type(e).__name__}: {e}"}]
-    for sub in model.modules():  # sub-configs (vision towers, ...) follow
-        c = getattr(sub, "config", None)
-        if c is not None and getattr(c, "_attn_implementation", None) == before:
-            c._attn_implementation = "ops_adv"
-        if isinstance(sub, PreTrainedModel) and not getattr(sub, "_ops_adv_mask_hook", False):  # models make masks
-            sub.register_forward_pre_hook(_clear_masks)
-            sub._ops_adv_mask_hook = True
-    return [{"module": "", "type": "attention", "converted": "yes",
-             "why": f"transformers attention '{before}' -> 'ops_adv' (decode steps with a static cache or grouped "
-                    "K/V heads run decode_attention; masks, dropout, GQA prefill run SDPA)"}]
-
-
-def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any]:
-    """(usable, seq_lens) for a decode call, read on the device (no host sync).
-
-    Without a mask every key slot is valid (seq_lens None). With one of ops_adv's plain causal masks
-    the last query row allows slots [0, seq_len): its count is seq_len. Any other mask (padding, a
-    caller's 4-D mask, sliding windows) cannot be told apart from a prefix without a sync: SDPA then.
-    """
-    B, Sq, Skv = query.shape[0], query.shape[2], key.shape[2]
-    if attention_mask is None:
-        return Sq == Skv or Sq == 1, None  # SDPA's is_causal is top-left aligned: only equal lengths agree
-    if attention_mask.dim() != 4 or tuple(attention_mask.shape[-2:]) != (Sq, Skv) \
-            or not _PREFIX_MASKS.get((Sq, Skv), False) or attention_mask.shape[0] not in (1, B):
-        return False, None
-    seq = attention_mask[:, 0, -1, :].sum(-1, dtype=torch.int32)
-    return True, seq.expand(B).contiguous() if seq.shape[0] != B else seq
-
-
-def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention contract: (B, H, S, D) in, (B, S, H, D) out, as its SDPA integration does.
-
-    A decode call (query length <= DECODE_MAX_QUERY, no dropout, no extra terms such as attention
-    sinks or soft-capping) whose cache holds more slots than its valid length, or whose K/V heads are
-    grouped, runs ops_adv's decode_attention (GQA without copying K/V, seq_lens from the mask).
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    Hq, Hkv = query.shape[1], key.shape[1]
-    Sq, Skv = query.shape[2], key.shape[2]
-    causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-
-    def log(route: str) -> None:
-        if ROUTE_LOG is not None:
-            ROUTE_LOG.append(route)
-
-    plain = not dropout and kwargs.get("s_aux") is None and not kwargs.get("softcap") \
-        and query.dim() == 4 and key.shape[0] == query.shape[0]
-    if plain and Sq <= DECODE_MAX_QUERY and (attention_mask is not None or Hq != Hkv) and Hq % Hkv == 0:
-        ok, seq_lens = _decode_seq_lens(query, key, attention_mask)
-        if ok:
-            from ._decode import decode_attention
-
-            log("decode_attention")
-            default = scaling is None or scaling == query.shape[-1] ** -0.5  # None takes the kernels' path
-            out = decode_attention(query, key, value, seq_lens, causal=bool(causal_flag and Sq > 1),
-                                   scale=None if default else scaling)
-            return out.transpose(1, 2).contiguous(), None
-    causal = bool(causal_flag and attention_mask is None and Sq > 1)
-    if attention_mask is not None or dropout or Hq != Hkv or (scaling is not None and scaling != query.shape[-1] ** -0.5) \
-            or Sq != Skv and causal:
-        log("sdpa")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    log("ops_adv.attention")
-    out = _ops.attention(query, key, value, is_causal=causal)
-    return out.transpose(1, 2).contiguous(), None

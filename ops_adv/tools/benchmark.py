@@ -7,7 +7,7 @@ from typing import Any
 
 from kernel_space import backend_of, get_impl, get_op, impls, relative_error
 
-from . import _dispatch
+from .. import _dispatch
 
 
 class BenchmarkResult(list):

@@ -21,11 +21,9 @@ import torch
 from kernel_space._common import DTYPE_CODE
 from kernel_space.rope.vendor import composite, full_tables
 
-from ._dispatch import cache_for, lookup
+from .._dispatch import cache_for, lookup, register_function
+from .._op import _grad_enabled, _is_compiling, _tracing_state, define
 
-_is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
-_grad_enabled = torch.is_grad_enabled
 _rope_cache = cache_for("rope")
 _INT = (torch.int64, torch.int32)
 _increment_version = torch.autograd.graph.increment_version
@@ -144,31 +142,31 @@ def _composite(q, k, cos, sin, positions, interleaved: bool, inplace: bool, layo
     return qo, ko
 
 
-def _define_rope() -> None:
-    """Register `ops_adv::rope`: fake kernel and autograd (rope's gradient is rope with -sin)."""
-    from torch.library import custom_op
-
-    @custom_op("ops_adv::rope", mutates_args=())
-    def rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-                interleaved: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rope(q, k, cos, sin, positions, interleaved, layout, False)
-
-    @rope_op.register_fake
-    def _(q, k, cos, sin, positions, interleaved, layout):
-        return torch.empty_like(q), torch.empty_like(k)
-
-    def setup(ctx, inputs, output):
-        q, k, cos, sin, positions, interleaved, layout = inputs
-        ctx.attrs = (interleaved, layout)
-        ctx.save_for_backward(cos, sin, positions)
-
-    def backward(ctx, gq, gk):
-        cos, sin, positions = ctx.saved_tensors
-        interleaved, layout = ctx.attrs
-        gq, gk = torch.ops.ops_adv.rope(gq.contiguous(), gk.contiguous(), cos, -sin, positions, interleaved, layout)
-        return gq, gk, None, None, None, None, None
-
-    rope_op.register_autograd(backward, setup_context=setup)
+# --------------------------------------------------------------------------- custom operator
 
 
-_define_rope()
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+             interleaved: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope(q, k, cos, sin, positions, interleaved, layout, False)
+
+
+def _fake(q, k, cos, sin, positions, interleaved, layout):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _setup(ctx, inputs, output):
+    q, k, cos, sin, positions, interleaved, layout = inputs
+    ctx.attrs = (interleaved, layout)
+    ctx.save_for_backward(cos, sin, positions)
+
+
+def _backward(ctx, gq, gk):
+    """rope's gradient is rope with -sin."""
+    cos, sin, positions = ctx.saved_tensors
+    interleaved, layout = ctx.attrs
+    gq, gk = torch.ops.ops_adv.rope(gq.contiguous(), gk.contiguous(), cos, -sin, positions, interleaved, layout)
+    return gq, gk, None, None, None, None, None
+
+
+define("rope", _rope_op, _fake, setup=_setup, backward=_backward)
+register_function("rope", rope)

@@ -108,7 +108,7 @@ class _Rewriter(ast.NodeTransformer):
 
 def _rope_matches(fn: Any) -> bool:
     """Whether `fn` is transformers' rotate-half apply_rotary_pos_emb (checked on a probe)."""
-    from ._rope import apply_rotary_pos_emb as ours
+    from ..ops.rope import apply_rotary_pos_emb as ours
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
@@ -146,7 +146,8 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
         return None, [], "apply_rotary_pos_emb here is not transformers' rotate-half formula: left as is"
     if not done:
         return None, [], "no residual-add + RMS norm, SiLU gate or rotary embedding in forward"
-    from ._fused import add_rms_norm, swiglu
+    from ..ops.add_rms_norm import add_rms_norm
+    from ..ops.swiglu import swiglu
 
     def add_norm(h, residual, norm):
         eps = norm.__dict__.get("_ops_adv_eps")
@@ -157,7 +158,7 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
     glb = dict(fn.__globals__)
     glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=swiglu)
     if any("rope" in d for d in done):
-        from ._rope import apply_rotary_pos_emb
+        from ..ops.rope import apply_rotary_pos_emb
 
         glb["__ops_adv_apply_rotary_pos_emb"] = apply_rotary_pos_emb
     code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")
