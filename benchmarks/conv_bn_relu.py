@@ -14,7 +14,7 @@ Every candidate is captured in a torch.cuda.CUDAGraph (the small layers are laun
 graphs time the GPU work, not Python), the L2 is flushed before each repetition, and candidates run in
 interleaved rounds (median of medians). Speed-ups are eager time / candidate time.
 
-Whole model: ResNet-50 inference at --batch, eager vs fuse_conv_bn_relu-converted, NCHW and
+Whole model: ResNet-50 inference at --batch, eager vs convert_model (conv+BN+ReLU fused), NCHW and
 channels_last: launched from Python ("eager", "fused": default dispatch, no tuned table) and under a
 CUDA graph ("eager+graph", "fused+graph", and "best+graph": each layer dispatched to the candidate
 this run measured fastest for it, as a tuned table would). Speed-ups: graph against graph.
@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import os
+import tempfile
 import json
 import platform
 import statistics
@@ -42,9 +45,13 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+import ops_adv  # noqa: E402
 from kernel_space import get_impl, get_op, relative_error  # noqa: E402
-from ops_adv.models.conv_bn import ConvBNReLU, fold_bn, fuse_conv_bn_relu  # noqa: E402
 from workers.timing import interleaved, time_fn  # noqa: E402
+
+_tf = importlib.util.spec_from_file_location("table_file", ROOT / "benchmarks" / "table_file.py")
+table_file = importlib.util.module_from_spec(_tf)
+_tf.loader.exec_module(table_file)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried per layer; the check drops what a shape cannot use.
@@ -61,31 +68,34 @@ def log(*a: Any) -> None:
 
 
 def resnet50_layers(res: int) -> list[dict]:
-    """Distinct (conv shape, relu) of ResNet-50 as fuse_conv_bn_relu fuses it, with how often each occurs."""
+    """Distinct (conv shape, relu) of ResNet-50 as convert_model fuses it, with how often each occurs
+    (the conv2d_bn_relu calls of one converted forward)."""
     import torchvision
 
-    model = torchvision.models.resnet50().eval()
-    fuse_conv_bn_relu(model)
+    model = ops_adv.convert_model(torchvision.models.resnet50().eval())
+    ops_adv.load_table("")
     seen: dict[tuple, dict] = {}
-
-    def hook(m, inputs, _out):
-        _, C, H, W = inputs[0].shape
-        c = m.conv
-        key = (C, H, W, c.out_channels, c.kernel_size[0], c.stride[0], c.padding[0], m.relu)
-        seen.setdefault(key, {"C": C, "H": H, "W": W, "K": c.out_channels, "R": c.kernel_size[0],
-                              "stride": c.stride[0], "padding": c.padding[0], "relu": m.relu, "count": 0})["count"] += 1
-
-    # The sites are not the model's children: they live in each owner's fused GraphModule.
-    sites = {id(s): s for owner in model.modules() if owner.__dict__.get("_ops_adv_fused_graph") is not None
-             for s in owner.__dict__["_ops_adv_fused_graph"].modules() if isinstance(s, ConvBNReLU)}
-    if not sites:
-        raise SystemExit("fuse_conv_bn_relu fused no site of ResNet-50: nothing to measure")
-    handles = [m.register_forward_hook(hook) for m in sites.values()]
-    with torch.no_grad():
+    with torch.no_grad(), ops_adv.profiler.ProfileContext() as prof:
         model(torch.randn(1, 3, res, res))
-    for h in handles:
-        h.remove()
+    for c in prof.calls:
+        if c["op"] != "conv2d_bn_relu":
+            continue
+        p = c["problem"]
+        key = (p["C"], p["H"], p["W"], p["K"], p["R"], p["stride"], p["padding"], p["relu"])
+        seen.setdefault(key, {"C": p["C"], "H": p["H"], "W": p["W"], "K": p["K"], "R": p["R"], "stride": p["stride"],
+                              "padding": p["padding"], "relu": p["relu"], "count": 0})["count"] += 1
+    if not seen:
+        raise SystemExit("convert_model fused no conv+BN site of ResNet-50: nothing to measure")
     return list(seen.values())
+
+
+def fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv's weight and bias with an eval-mode BatchNorm folded in (float64, cast back)."""
+    scale = bn.weight.double() / (bn.running_var.double() + bn.eps).sqrt()
+    w = conv.weight.double() * scale.reshape(-1, 1, 1, 1)
+    b0 = conv.bias.double() if conv.bias is not None else torch.zeros_like(scale)
+    b = bn.bias.double() + (b0 - bn.running_mean.double()) * scale
+    return w.to(conv.weight.dtype), b.to(conv.weight.dtype)  # elementwise ops keep the weight's memory format
 
 
 def graphed(fn: Callable[[], Any], device: torch.device, use_graph: bool) -> Callable[[], Any]:
@@ -206,15 +216,15 @@ def winners(rows: list[dict]) -> dict[tuple, tuple[str, dict]]:
 
 
 def use_table(table: dict[tuple, tuple[str, dict]], device: torch.device) -> None:
-    """Make dispatch see `table` as if tuned (an in-memory stand-in for an exported table; caches emptied)."""
-    from ops_adv import _dispatch
-
-    _dispatch.load_table("")
-    ours = _dispatch._tuned.setdefault(_dispatch._device_class(device), {}).setdefault("conv2d_bn_relu", {})
-    for problem, (impl, params) in table.items():
-        ours[problem] = {"op": "conv2d_bn_relu", "impl": impl, "params": params}
-    for c in _dispatch._caches.values():
-        c.clear()
+    """Load `table` (problem -> (impl, params)) as a tuned table file; {} loads none."""
+    if not table:
+        ops_adv.load_table("")
+        return
+    fields = get_op("conv2d_bn_relu").problem._fields
+    winners = [table_file.winner("conv2d_bn_relu", dict(zip(fields, problem)), impl, params)
+               for problem, (impl, params) in table.items()]
+    path = os.path.join(tempfile.mkdtemp(), "conv_bn_relu.json")
+    ops_adv.load_table(table_file.write(path, winners, table_file.device_class(device)))
 
 
 @torch.no_grad()
@@ -231,7 +241,9 @@ def bench_model(layout: str, args, device: torch.device, table: dict) -> dict:
                 m.running_var.uniform_(0.5, 2.0)
     model = model.to(device=device, dtype=dtype, memory_format=fmt)
     fused = copy.deepcopy(model)
-    report = fuse_conv_bn_relu(fused)
+    ops_adv.load_table("")
+    fused = ops_adv.convert_model(fused)
+    report = [r for r in ops_adv.explain_model(fused) if r["type"] == "Conv2d+BatchNorm2d"]
     x = torch.randn(args.batch, 3, args.res, args.res, device=device, dtype=dtype).contiguous(memory_format=fmt)
     with torch.no_grad():
         want, got = model(x).float(), fused(x).float()

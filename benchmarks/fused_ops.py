@@ -285,11 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     skipped: list[str] = []
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    try:
-        from kernel_space._liger import liger_version
+    import importlib.metadata as md
 
-        liger = liger_version()
-    except ImportError:
+    try:
+        liger = md.version("liger-kernel")
+    except md.PackageNotFoundError:
         liger = None
 
     def write() -> None:

@@ -155,9 +155,11 @@ stage() {
     sed -n '/^## Targets/,/^## Impl/p' "$D/e2e.md" 2> /dev/null ;;
   recompiles)
     local tbl; tbl=$(table_or_none)
-    for v in "" --converted; do
-      OPS_ADV_TABLE=$tbl TORCH_LOGS=recompiles TAIL=3 step "recompiles${v:-"-original"}" 200 python3 benchmarks/recompiles_llama.py --size 8b $v
-      grep -E "\[__recompiles\]" "$D/recompiles${v:-"-original"}.txt" | sed 's/^.*__recompiles\]//' | head -n 14
+    local v
+    for v in original converted; do
+      OPS_ADV_TABLE=$tbl TORCH_LOGS=recompiles TAIL=3 step "recompiles-$v" 200 python3 benchmarks/recompiles_llama.py --size 8b \
+        $([ $v = converted ] && echo --converted)
+      grep -E "\[__recompiles\]" "$D/recompiles-$v.txt" 2> /dev/null | sed 's/^.*__recompiles\]//' | head -n 14
     done ;;
   convert-checks)
     step convert-checks 195 python3 benchmarks/convert_checks.py ;;

@@ -114,9 +114,7 @@ def main() -> int:
         summary["kernels"] = kernels
         reset()
         ref = step().float().clone()
-        from ops_adv.profiler import ProfileContext
-
-        with ProfileContext() as prof:
+        with ops_adv.profiler.ProfileContext() as prof:
             reset()
             step()
         summary["ran"] = sorted({f"{c['op']}:{c['impl']}({c['source']})" for c in prof.calls})

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -14,7 +15,6 @@ import torch  # noqa: E402
 
 import kernel_space  # noqa: E402
 import ops_adv  # noqa: E402
-from ops_adv import _table  # noqa: E402
 from workers.timing import interleaved  # noqa: E402
 
 
@@ -23,12 +23,13 @@ def main() -> int:
     ap.add_argument("--out")
     args = ap.parse_args()
     path = os.environ["OPS_ADV_TABLE"]
-    table = _table.read_file(path)
-    device = "cpu" if table.device_class == "cpu" else "cuda:0"
-    ops_adv.load_table(path)
+    ops_adv.load_table(path)  # checks the file: a corrupt or stale table stops here with one line
+    with open(path) as f:
+        table = json.load(f)
+    device = "cpu" if table["device_class"] == "cpu" else "cuda:0"
     lines = ["| op | problem | dispatched | dispatch ms | vendor | vendor ms | vendor/dispatch | spread ms |", "|---|---|---|---|---|---|---|---|"]
     worst = None
-    for w in table.winners:
+    for w in table["winners"]:
         spec = kernel_space.get_op(w["op"])
         problem = spec.parse_problem(w["problem"])
         targs, attrs = spec.make_inputs(problem, device, seed=99)
