@@ -334,7 +334,9 @@ def test_admitted_configs_build_for_sm90_without_spills():
     cases = [  # (dtype, BLOCK_N, heads, group, Sq, splits, warps, stages, ragged, causal)
         ("bf16", 64, 4, 4, 1, 8, 4, 2, True, True),
         ("bf16", 128, 7, 7, 1, 1, 8, 2, False, False),
-        ("bf16", 128, 4, 4, 1, 8, 4, 2, False, False),  # refused: about 176 registers under mma.sync
+        # refused: about 352 registers under mma.sync. It spills under Triton 3.6 (152 B, the H200's) and 3.8
+        # (424 B); the 4-warp one (176) spilled 56 B under 3.8 only: the check's margin is version-dependent.
+        ("bf16", 128, 4, 4, 1, 8, 2, 2, False, False),
     ]
     for dt, bn, heads, group, sq, splits, warps, stages, ragged, causal in cases[:2]:
         p = P(8, 8 * group, 8, sq, 16384, 128, ragged, causal, dt)

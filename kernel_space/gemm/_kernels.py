@@ -129,7 +129,7 @@ def _decode_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn, stride_om, stride_on, stride_bias,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     S_XM: tl.constexpr, S_WK: tl.constexpr, S_WN: tl.constexpr, VEC_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
 ):
@@ -165,21 +165,19 @@ def _decode_kernel(
         acc = _epilogue(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
+        # Each split stores an fp32 partial into a contiguous (SPLIT_K, M, N) workspace. (fp32 atomic adds
+        # into one zero-at-rest accumulator were dropped: on the H200 they were wrong after CUDA graph
+        # replays (relative error 0.16), likely adds landing after the last split had read and re-zeroed it.)
         ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        if REDUCE == "atomic":  # one (M, N) fp32 accumulator, zero at rest
-            tl.atomic_add(ws_tile, acc, mask=mask, sem="relaxed")
-        else:  # "partials": a contiguous (SPLIT_K, M, N) fp32 workspace
-            tl.store(ws_tile + pid_k * M * N, acc, mask=mask)
+        tl.store(ws_tile + pid_k * M * N, acc, mask=mask)
         tl.debug_barrier()  # every thread's share is written before this program counts itself in
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the last split of this N tile: reduce, finish, reset
             tl.debug_barrier()  # the acquire (one thread's) orders every thread's reads below
             acc = tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
-            if REDUCE == "atomic":
-                tl.store(ws_tile, tl.zeros_like(acc), mask=mask)
-            else:  # in split order, whichever program is last: results are reproducible
-                for s in tl.static_range(1, SPLIT_K):
-                    acc += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            # in split order, whichever program is last: results are reproducible
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             acc = _epilogue(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
@@ -196,7 +194,7 @@ _outgrown: list[torch.Tensor] = []  # kept alive: CUDA graphs captured with them
 
 def _zero_at_rest(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A per-device buffer of at least n zeros that every decode launch leaves zero again (the
-    last program of a tile resets its part), so one buffer serves every call and CUDA graph
+    last program of a tile resets its counter), so one buffer serves every call and CUDA graph
     replays. Not safe for two decode launches running at once on different streams of one device."""
     buf = _zeroed.get((device, dtype))
     if buf is None or buf.numel() < n:
@@ -274,14 +272,16 @@ def splitk_decode(
 ) -> torch.Tensor:
     """a (M <= 64, K) @ b (K, N), b typically W.t() of a Linear weight W (N, K); one launch.
 
-    REDUCE: "partials" (each split stores an fp32 partial, the last sums them in split order:
-    reproducible) or "atomic" (fp32 atomic adds into an accumulator the last reads and re-zeroes)."""
+    Each split stores an fp32 partial; the last to finish sums them in split order (reproducible).
+    REDUCE names that reduction, the only one: "atomic" was dropped (see `_decode_kernel`)."""
     M, K = a.shape
     N = b.shape[1]
     if b.shape[0] != K:
         raise ValueError(f"gemm: a is {tuple(a.shape)} but b is {tuple(b.shape)}")
     if M > 64:
         raise ValueError(f"splitk_decode is for M <= 64, got M={M}; use the tiled gemm")
+    if REDUCE != "partials":
+        raise ValueError(f"splitk_decode: REDUCE {REDUCE!r} is not supported; only 'partials' (atomic was dropped: not graph-safe)")
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     bias_t, stride_bias, has_bias = _epilogue_args(bias, activation, out)
@@ -289,17 +289,14 @@ def splitk_decode(
     if SPLIT_K == 1:
         ws, cnt = out, out
     else:
-        if REDUCE == "atomic":
-            ws = _zero_at_rest(M * N, torch.float32, a.device)
-        else:
-            ws = _new_workspace((SPLIT_K, M, N), a.device)
+        ws = _new_workspace((SPLIT_K, M, N), a.device)
         cnt = _tile_counters(tiles, a.device)
     vec = 16 // a.element_size()
     sxm, swk, swn = (_stride_scale(s, vec) for s in (a.stride(0), b.stride(0), b.stride(1)))
     _decode_kernel[(tiles, SPLIT_K)](
         a, b, out, ws, cnt, bias_t, M, N, K,
         a.stride(0) // sxm, a.stride(1), b.stride(0) // swk, b.stride(1) // swn, out.stride(0), out.stride(1), stride_bias,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, REDUCE=REDUCE,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
         S_XM=sxm, S_WK=swk, S_WN=swn, VEC_N=_row_vec(N, vec), HAS_BIAS=has_bias, ACTIVATION=activation,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -109,8 +109,6 @@ DECODE_SPACE: dict[str, tuple] = {
     "SPLIT_K": (4, 1, 2, 8, 16),
     "num_warps": (4, 2, 8),
     "num_stages": (4, 2, 3, 5, 6),
-    # How splits meet: fp32 partials summed by the last split (reproducible), or fp32 atomics.
-    "REDUCE": ("partials", "atomic"),
 }
 DECODE_MAX_M = 64
 # N tiles from which SPLIT_K > 1 only adds partial-sum traffic: 8 waves of an H200's 132 SMs.
@@ -137,8 +135,6 @@ def check_decode(p: GemmProblem, c: Mapping[str, Any]) -> str | None:
     if split > k_tiles:
         return f"SPLIT_K {split} leaves some splits without a K tile (K={p.K} is {k_tiles} tiles of {bk})"
     tiles = _cdiv(p.N, bn)
-    if split == 1 and c["REDUCE"] != DECODE_SPACE["REDUCE"][0]:
-        return f"REDUCE {c['REDUCE']} does nothing without SPLIT_K (same kernel as REDUCE {DECODE_SPACE['REDUCE'][0]})"
     if split > 1 and tiles >= DECODE_SPLIT_TILES:
         return f"{tiles} N tiles fill the GPU without SPLIT_K {split}, which would only add partial sums"
     bm = decode_block_m(p.M)
