@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._capture import persistent_zeros
+
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 
@@ -200,7 +202,8 @@ def _zero_at_rest(n: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     if buf is None or buf.numel() < n:
         if buf is not None:
             _outgrown.append(buf)
-        buf = _zeroed[(device, dtype)] = torch.zeros(max(n, 2048), dtype=dtype, device=device)
+        # never from a CUDA graph's pool, though the first call of a new shape may come inside a capture
+        buf = _zeroed[(device, dtype)] = persistent_zeros(max(n, 2048), dtype, device)
     return buf
 
 
