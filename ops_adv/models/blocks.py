@@ -155,7 +155,9 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
             eps = norm.__dict__["_ops_adv_eps"] = float(getattr(norm, _eps_name(norm)))
         return add_rms_norm(h, residual, norm._parameters["weight"], eps)
 
-    glb = dict(fn.__globals__)
+    # The rewritten forward's globals are a real module in sys.modules: Dynamo (torch 2.11) reaches an
+    # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
+    glb = _globals_module(fn).__dict__
     glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=swiglu)
     if any("rope" in d for d in done):
         from ..ops.rope import apply_rotary_pos_emb
@@ -175,3 +177,17 @@ def _eps_name(m: nn.Module) -> str:
         if isinstance(getattr(m, name, None), float):
             return name
     raise AttributeError(f"{type(m).__name__} has no float eps")
+
+
+def _globals_module(fn: types.FunctionType) -> types.ModuleType:
+    """A module holding a copy of fn's globals, registered in sys.modules under its own name."""
+    import sys
+
+    src = f"{fn.__globals__.get('__name__', 'module')}.{fn.__qualname__}"
+    name = "_ops_adv_fused__" + "".join(c if c.isalnum() else "_" for c in src)
+    mod = sys.modules.get(name)
+    if mod is None:
+        mod = sys.modules[name] = types.ModuleType(name)
+    mod.__dict__.update(fn.__globals__)
+    mod.__dict__["__name__"] = name
+    return mod
