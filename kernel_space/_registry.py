@@ -101,6 +101,9 @@ class Impl:
     vendor: bool
     check: Check | None
     requires: tuple[str, ...]
+    # Declared capturable in a CUDA graph: the tuner's gate fails it when capture raises. Whatever
+    # this says, a candidate whose graph replays are wrong (state kept between calls) fails.
+    graph_safe: bool = True
 
     @functools.cached_property
     def unavailable(self) -> str | None:
@@ -185,12 +188,14 @@ def register_impl(
     vendor: bool = False,
     check: Check | None = None,
     requires: tuple[str, ...] = (),
+    graph_safe: bool | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register an implementation of `op`; higher priority is preferred when nothing is tuned.
 
     `space` maps each parameter to its choices (the first is the default); `check(problem,
     params)` returns why a configuration is invalid, or None; `requires` names modules that
-    must be importable (a missing one is reported as the reason, not hidden).
+    must be importable (a missing one is reported as the reason, not hidden). `graph_safe`
+    (default: ours yes, vendor kernels no) declares it capturable in a CUDA graph.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -206,6 +211,7 @@ def register_impl(
             vendor=vendor,
             check=check,
             requires=tuple(requires),
+            graph_safe=not vendor if graph_safe is None else graph_safe,
         )
         _IMPLS[op][impl.name] = impl
         return fn

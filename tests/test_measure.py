@@ -9,7 +9,7 @@ import torch
 import kernel_space
 from conftest import ROOT, run_cli
 from kernel_space import get_op
-from workers.measure import Bench, check_output, classify
+from workers.measure import Bench, check_graph, check_output, classify
 
 PROBLEM = get_op("gemm").problem(48, 40, 32)
 _registered: list[str] = []
@@ -126,6 +126,102 @@ def test_check_reports_failures_as_statuses():
     assert res["status"] == "ok" and res["rel_error"] < 1e-5
 
 
+# ---- graph-safe winners only: state kept between calls -------------------------------------
+
+
+def test_a_kernel_that_changes_on_its_second_call_is_a_wrong_result():
+    calls = {"n": 0}
+
+    @register("stateful")
+    def stateful(a, b):
+        calls["n"] += 1  # as a workspace or counter left dirty by the first call would
+        return torch.matmul(a, b) * calls["n"]
+
+    res = Bench("cpu").run(trial("stateful"))
+    assert res["status"] == "wrong_result" and 0.9 < res["rel_error"] < 1.1
+    assert "median_ms" not in res and calls["n"] == 2  # never timed, so never stored
+    assert Bench("cpu").check(trial("stateful"))["status"] == "wrong_result"
+
+
+def test_each_call_of_the_gate_gets_fresh_output():
+    kept: list = []
+
+    @register("keeps_out")
+    def keeps_out(a, b, *, out=None):
+        res = torch.matmul(a, b, out=out)
+        kept.append(res)
+        return res
+
+    res = Bench("cpu").run(trial("keeps_out"))
+    assert res["status"] == "ok" and len(kept) >= 3  # out=, then two plain calls
+    assert len({t.data_ptr() for t in kept[:3]}) == 3
+
+
+def test_graph_safe_defaults():
+    assert kernel_space.get_impl("gemm", "triton").graph_safe  # ours: declared capturable
+    assert not kernel_space.get_impl("gemm", "torch_matmul").graph_safe  # vendor: checked, but may not capture
+    assert all(i.graph_safe == (not i.vendor) for op in kernel_space.ops() for i in kernel_space.impls(op))
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@CUDA
+def test_graph_replay_catches_state_kept_between_calls():
+    """Right on every eager call, wrong on the second replay: its buffer is reset on the host, which a graph skips."""
+    state: dict = {}
+
+    @register("host_reset", backends=("cuda",))
+    def host_reset(a, b):
+        buf = state.setdefault("acc", torch.zeros(a.shape[0], b.shape[1], device=a.device, dtype=torch.float32))
+        buf.add_(torch.matmul(a.float(), b.float()))
+        out = buf.to(a.dtype, copy=True)
+        state["acc"] = torch.zeros_like(buf)  # host-side reset: the captured kernels keep the old buffer
+        return out
+
+    bench = Bench("cuda")
+    res = bench.run(trial("host_reset"))
+    assert res["status"] == "wrong_result" and "CUDA graph" in res["error"], res
+    assert 0.9 < res["graph_rel_error"] < 1.1 and res["rel_error"] < 1e-3
+    assert Bench("cuda", graphs=False).run(trial("host_reset"))["status"] == "ok"  # eager calls alone miss it
+
+
+@pytest.mark.gpu
+@CUDA
+def test_capture_failure_fails_only_what_is_declared_graph_safe():
+    def syncs(a, b):
+        torch.cuda.synchronize()  # not allowed while a stream is being captured
+        return torch.matmul(a, b)
+
+    register("syncs_safe", backends=("cuda",))(syncs)
+    register("syncs_vendor", backends=("cuda",), vendor=True)(syncs)
+    bench = Bench("cuda")
+    safe, vendor = bench.run(trial("syncs_safe")), bench.run(trial("syncs_vendor"))
+    assert safe["status"] == "runtime_error" and "CUDA graph capture failed" in safe["error"], safe
+    assert vendor["status"] == "ok" and vendor["graph_error"] and vendor["median_ms"] > 0, vendor
+    assert not safe["context_lost"] and bench.run(trial("torch_matmul"))["status"] == "ok"  # the process stays usable
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("name", [f"{op}/{i.name}" for op in kernel_space.ops() for i in kernel_space.impls(op)
+                                  if "cuda" in i.backends and i.graph_safe])
+def test_graph_safe_impls_replay_correctly(name):
+    """Each implementation declared graph-safe, default parameters, on the first of this GPU's default problems it takes."""
+    from kernel_space._device import local_device_class
+
+    op, impl_name = name.split("/")
+    impl, spec = kernel_space.get_impl(op, impl_name), get_op(op)
+    problems = [p for p in spec.default_problems(local_device_class()) if impl.why_not(p, backend="cuda") is None]
+    if not problems:
+        pytest.skip(f"{name} takes none of the default problems with its default parameters")
+    args, attrs = spec.make_inputs(problems[0], "cuda", seed=0)
+    res = check_graph(impl.bind(impl.default_params()), args, attrs, spec.reference(*args, **attrs), device="cuda")
+    assert "graph_error" not in res, res
+    assert res["graph_rel_error"] <= spec.tolerance(problems[0].dtype), res
+
+
 # ---- classification ---------------------------------------------------------------------
 
 
@@ -188,7 +284,7 @@ def test_warmup_and_reps_reach_the_timer():
 
     res = Bench("cpu").run(trial("counted"), reps=3, warmup=1, budget_s=60)
     assert res["status"] == "ok" and res["reps"] == 3
-    assert calls["n"] == 1 + 1 + 3  # the gate's call, one warm-up, three timed
+    assert calls["n"] == 2 + 1 + 3  # the gate's two calls, one warm-up, three timed
 
 
 def test_confirm_takes_rounds_and_reps():

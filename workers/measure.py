@@ -1,4 +1,8 @@
-"""Measuring one trial in this process: inputs, correctness gate, timing, a result record."""
+"""Measuring one trial in this process: inputs, correctness gate, timing, a result record.
+
+The gate calls a candidate twice on the same inputs, each time into fresh NaN-poisoned output,
+and on CUDA also replays it from a CUDA graph twice: a kernel that keeps state between calls
+(a buffer it expects to find zeroed, a counter) fails, so it can never be stored as a winner."""
 from __future__ import annotations
 
 import inspect
@@ -76,13 +80,15 @@ def _first(x: Any) -> Any:
 
 
 def check_output(
-    fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, device: torch.device | str, out: bool = False
+    fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, device: torch.device | str, out: bool = False,
+    calls: int = 2,
 ) -> dict[str, Any]:
-    """Relative error of `fn(*args, **attrs)` against `ref`, output left unwritten showing as NaN.
+    """Worst relative error of `fn(*args, **attrs)` against `ref` over `calls` calls, output left
+    unwritten showing as NaN.
 
-    With `out`, `fn` also writes into a NaN-filled `out=` (the larger error counts; an `out=`
-    it refuses is noted).  On CUDA the result it allocates itself comes from a NaN-filled
-    block of the caching allocator.  Exceptions from `fn` propagate.
+    With `out`, `fn` also writes into a NaN-filled `out=` first (an `out=` it refuses is noted).
+    On CUDA each result it allocates itself comes from a NaN-filled block of the caching
+    allocator.  Exceptions from `fn` propagate.
     """
     device = torch.device(device)
     dtype = args[0].dtype if args and torch.is_tensor(args[0]) else torch.float32
@@ -103,13 +109,51 @@ def check_output(
             if res is not None and res is not poisoned:
                 errs.append(relative_error(_first(res), ref))
         del poisoned
-    if torch.is_tensor(ref) and device.type == "cuda" and dtype.is_floating_point:
-        torch.full((ref.numel(),), float("nan"), dtype=dtype, device=device)  # freed at once, reused next
-    res = fn(*args, **attrs)
-    _sync(device)
-    errs.append(relative_error(_first(res), ref))
+    for _ in range(calls):  # a second call on the same inputs must agree: no state kept between calls
+        if torch.is_tensor(ref) and device.type == "cuda" and dtype.is_floating_point:
+            torch.full((ref.numel(),), float("nan"), dtype=dtype, device=device)  # freed at once, reused next
+        res = fn(*args, **attrs)
+        _sync(device)
+        errs.append(relative_error(_first(res), ref))
+        del res
     rec["rel_error"] = max(errs)
     return rec
+
+
+def check_graph(fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, device: torch.device | str,
+                replays: int = 2) -> dict[str, Any]:
+    """`fn(*args, **attrs)` captured in a CUDA graph and replayed `replays` times, its output
+    NaN-filled before each: {"graph_rel_error": worst error}, or {"graph_error": why capture failed}.
+
+    A warm-up call on a side stream first (as torch.cuda.graph's recipe asks) keeps compilation
+    and lazily created buffers out of the capture. Exceptions from the warm-up and the replays
+    propagate; a failed capture is returned (with a lost context it is raised).
+    """
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*args, **attrs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                res = fn(*args, **attrs)
+        except Exception as exc:
+            if classify(exc, device)[1]:
+                raise
+            return {"graph_error": short_error(exc, 300, lines=2)}
+        out, errs = _first(res), []
+        for _ in range(replays):
+            if torch.is_tensor(out) and out.dtype.is_floating_point:
+                out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            errs.append(relative_error(out, ref))
+        del graph, res, out
+    return {"graph_rel_error": max(errs)}
 
 
 def _sync(device: torch.device) -> None:
@@ -120,9 +164,10 @@ def _sync(device: torch.device) -> None:
 class Bench:
     """Inputs and references per problem, kept while the same problem is measured."""
 
-    def __init__(self, device: str, accuracy: float | None = 2.0) -> None:
+    def __init__(self, device: str, accuracy: float | None = 2.0, graphs: bool = True) -> None:
         self.device = torch.device(device)
         self.accuracy = accuracy  # a candidate's error may be at most this times the vendor kernel's (None: off)
+        self.graphs = graphs  # on CUDA, also check each candidate replayed from a CUDA graph
         self._cache: dict[tuple, tuple] = {}
         self._vendor_err: dict[tuple, tuple[str, float] | None] = {}
 
@@ -149,20 +194,27 @@ class Bench:
     def run(self, trial: dict[str, Any], *, budget_s: float = 0.5, reps: int = 25, warmup: int = 2) -> dict[str, Any]:
         """Check then time one candidate; every failure becomes a status, never an exception.
 
-        The check is the candidate's first call (compilation included): its duration is
+        The check holds the candidate's first calls (compilation included): its duration is
         `first_call_s`.  `budget_s`, `reps` and `warmup` go to time_fn.
         """
         result: dict[str, Any] = {"status": OK, "error": None, "context_lost": False}
-        first_call = False
+        returned = 0  # the gate's calls that returned: an exception before any did means it did not compile
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            nonlocal returned
+            res = fn(*a, **kw)
+            returned += 1
+            return res
+
         try:
             spec, problem, impl, params, why = self._resolve(trial)
             if why:
                 return {**result, "status": PRUNED, "error": why}
             args, attrs, _ = self.inputs(spec.name, problem)
             fn = impl.bind(params)
-            first_call, t0 = True, time.perf_counter()
-            result.update(self._gate(spec, problem, impl, fn, INPUT_SEED))
-            first_call = False
+            t0 = time.perf_counter()
+            result.update(self._gate(spec, problem, impl, counted, INPUT_SEED))
+            returned += 1  # past the gate
             result["first_call_s"] = round(time.perf_counter() - t0, 3)
             if result["status"] != OK:
                 return result
@@ -170,7 +222,7 @@ class Bench:
             result.update(t.as_dict())
             return result
         except BaseException as exc:  # a candidate may raise anything; it is data, not a crash
-            return {**result, **self._failure(exc, first_call)}
+            return {**result, **self._failure(exc, returned == 0)}
 
     def check(self, trial: dict[str, Any], *, seed: int = INPUT_SEED) -> dict[str, Any]:
         """The correctness gate of `run` alone, on the inputs of `seed`; never raises."""
@@ -207,8 +259,15 @@ class Bench:
         args, attrs, ref = self.inputs(spec.name, problem, seed)
         res = check_output(fn, args, attrs, ref, device=self.device, out=takes_out(impl.fn))
         err, tol = res["rel_error"], spec.tolerance(problem.dtype)
+        if err <= tol and self.graphs and self.device.type == "cuda":
+            res.update(check_graph(fn, args, attrs, ref, device=self.device))
         if not err <= tol:
             res.update(status=WRONG_RESULT, error=f"relative error {err:.3g} > {tol:.3g}")
+        elif "graph_error" in res and impl.graph_safe:
+            res.update(status=RUNTIME_ERROR, error=f"declared graph-safe, but CUDA graph capture failed: {res['graph_error']}")
+        elif not res.get("graph_rel_error", 0.0) <= tol:
+            res.update(status=WRONG_RESULT, error=f"relative error {res['graph_rel_error']:.3g} > {tol:.3g} "
+                                                  "replayed from a CUDA graph (state kept between calls?)")
         elif self.accuracy and not impl.vendor:
             ven = self.vendor_error(spec, problem, seed)
             if ven is not None:
@@ -233,7 +292,7 @@ class Bench:
                 if not v.vendor or v.why_not(problem, backend=backend) is not None:
                     continue
                 try:
-                    r = check_output(v.bind({}), args, attrs, ref, device=self.device)
+                    r = check_output(v.bind({}), args, attrs, ref, device=self.device, calls=1)
                 except Exception:
                     continue
                 self._vendor_err[key] = (v.name, r["rel_error"])
