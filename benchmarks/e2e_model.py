@@ -697,7 +697,7 @@ def isolated(case: dict, args: Any, work: Path, deadline: float | None) -> dict:
     for attempt in range(args.retries + 1):
         limit = args.case_timeout if deadline is None else min(args.case_timeout, deadline - time.monotonic())
         if limit < 20:
-            why = "not run: no time left before the deadline"
+            why = f"{why}; not run again: no time left before the deadline" if attempt else "not run: no time left before the deadline"
             break
         progress, result = work / f"{key}.{attempt}.progress", work / f"{key}.{attempt}.json"
         spec = {"args": vars(args), "case": case, "skip": skip, "progress": str(progress), "result": str(result)}
