@@ -10,7 +10,7 @@
 # a private site folder; the tuner's stages need the tuning stack (ray, optuna, sqlalchemy, alembic).
 # --out DIR (or OUT=DIR): results (default ./gpu-out). Stage settings come from the environment:
 #   TABLE=path       tuned table for e2e, dispatch, sanitize (default: $OUT/e2e-tune/opsadv-table.json if there)
-#   E2E_CASES=...    e2e_model.py --cases (e2e, e2e-tune; default llama-decode; E2E_TUNE_CASES for e2e-tune alone)
+#   E2E_CASES=...    e2e_model.py --cases (e2e, e2e-tune; default llama-decode; E2E_TUNE_CASES, E2E_TUNE_ARGS for e2e-tune alone)
 #   E2E_ARGS="..."   more e2e_model.py flags (e.g. "--decode-batch 1,8 --contexts 1024 --layers 2")
 #   TUNE_S=120 TRIALS=8   seconds and counted trials per problem of the tune stages
 set -u
@@ -137,7 +137,7 @@ stage() {
   e2e-tune)
     needs_tuner e2e-tune || return 2
     local dev db=$D/e2e-tuning.db ops; dev=$(device_class)
-    step record 150 python3 benchmarks/e2e_model.py --device cuda --cases "${E2E_TUNE_CASES:-${E2E_CASES:-llama-decode}}" ${E2E_ARGS:-} \
+    step record 150 python3 benchmarks/e2e_model.py --device cuda --cases "${E2E_TUNE_CASES:-${E2E_CASES:-llama-decode}}" ${E2E_TUNE_ARGS:-${E2E_ARGS:-}} \
       --record-shapes "$D/e2e-shapes.json" || return 1
     ops=$(python3 -c "import json; print(','.join(sorted(json.load(open('$D/e2e-shapes.json')))))")
     echo "problems of $ops"
