@@ -92,6 +92,8 @@ class Winner(Base):
     trials: Mapped[int] = mapped_column(Integer, default=0)
     # threads, torch, triton, cuda, cudnn, cublas, driver, sm_clock_mhz, power_limit_w, ecc: what it was measured under
     conditions: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    # measurements of this problem not stored: a slower re-measurement kept out, the winner it replaced, confirmation rounds
+    history: Mapped[list | None] = mapped_column(JSON, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
 

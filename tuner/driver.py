@@ -306,9 +306,11 @@ class Tuner(StudySetup, Winners):
         if task.state == "confirm":
             if task.in_flight:
                 return None
-            cands = self._finalists(task)
+            if not task.finalists:
+                task.finalists = self._finalists(task)
+            cands = task.finalists
             task.state = "confirming"
-            if len(cands) < 2:
+            if not cands:
                 self._write_winner(task, None)
                 return None
             task.in_flight += 1
@@ -374,7 +376,10 @@ class Tuner(StudySetup, Winners):
             return
         task.in_flight -= 1
         if kind == "confirm":
-            self._write_winner(task, None if fail else (job[2], res))
+            if fail:
+                self._write_winner(task, None)  # the search's own times
+            else:
+                self._confirmed(task, res)
             return
         _, _, name, params, trial = job
         if fail:

@@ -31,7 +31,8 @@ def _rows(device: str, db_url: str):
 
 
 def winners_of(device: str, db_url: str) -> list[dict]:
-    return [_winner_dict(w, p) for w, p, _ in _rows(device, db_url)]
+    """The winners as the report shows them: the exported fields and the history of times behind each."""
+    return [{**_winner_dict(w, p), "history": w.history or []} for w, p, _ in _rows(device, db_url)]
 
 
 def _winner_dict(w: Winner, p: Problem) -> dict:

@@ -97,16 +97,29 @@ def library_candidates(ops: list[str], device_class: str) -> list[str]:
     return out
 
 
+def spread(row: dict[str, Any]) -> str:
+    """The spread behind a winner: its own (± over the timed repetitions), then the range of the other times of
+    this problem recorded with it (re-measurements not stored, the winners it replaced, confirmation rounds)."""
+    sp = row.get("spread_ms")
+    out = f"±{_num(sp, '.2g')}" if isinstance(sp, (int, float)) and not isinstance(sp, bool) else "-"
+    hist = row.get("history")
+    times = [h.get("median_ms") for h in hist if isinstance(h, dict)] if isinstance(hist, list) else []
+    times = [t for t in times if isinstance(t, (int, float)) and not isinstance(t, bool)]
+    if times:
+        out += f" (others {_num(min(times))}-{_num(max(times))} ms, {len(times)} measured)"
+    return out
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The winners grouped by source, then a summary line per source."""
-    header = ("source", "op", "problem", "winner", "params", "ms", "vendor", "vendor ms", "speedup")
+    header = ("source", "op", "problem", "winner", "params", "ms", "spread", "vendor", "vendor ms", "speedup")
     lines = [header]
     rows = _by_source(rows)
     for r in rows:
         params = json.dumps(r.get("params"), separators=(",", ":"), default=str)[1:-1] or "-"
         lines.append((
             r["source"], r.get("op"), _short_problem(r.get("problem")), r.get("impl"), params, _num(r.get("median_ms")),
-            r.get("vendor_impl"), _num(r.get("vendor_ms")), f"{_num(r.get('speedup'), '.2f')}x",
+            spread(r), r.get("vendor_impl"), _num(r.get("vendor_ms")), f"{_num(r.get('speedup'), '.2f')}x",
         ))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     out = []
@@ -118,14 +131,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def format_markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| source | op | problem | winner | params | ms | vendor | vendor ms | speedup |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| source | op | problem | winner | params | ms | spread | vendor | vendor ms | speedup |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     rows = _by_source(rows)
     for r in rows:
         params = json.dumps(r.get("params"), separators=(",", ":"), default=str)[1:-1] or "-"
         out.append(
             f"| {r['source']} | {r.get('op')} | {_short_problem(r.get('problem'))} | {r.get('impl')} | {params} | "
-            f"{_num(r.get('median_ms'))} | {r.get('vendor_impl')} | {_num(r.get('vendor_ms'))} | {_num(r.get('speedup'), '.2f')}x |"
+            f"{_num(r.get('median_ms'))} | {spread(r)} | {r.get('vendor_impl')} | {_num(r.get('vendor_ms'))} | {_num(r.get('speedup'), '.2f')}x |"
         )
     if rows:
         out += ["", *(f"- {ln.strip()}" for ln in summarize_sources(rows).splitlines()[1:])]

@@ -50,7 +50,10 @@ class Task:
     seen: dict[str, tuple[str, float | None]] = field(default_factory=dict)
     failures: int = 0
     pruned: int = 0
-    state: str = "search"  # search -> confirm -> done
+    state: str = "search"  # search -> confirm -> confirming (-> confirm again for an outlier) -> done
+    stored: dict | None = None  # the winner stored before this run (same study), kept unless beaten
+    finalists: list[dict] = field(default_factory=list)  # what the confirmation rounds re-measure
+    confirms: dict[str, list[dict]] = field(default_factory=dict)  # key -> its times over the confirmation rounds
     requeued: deque = field(default_factory=deque)  # jobs lost with a worker's node: handed out again first, still in_flight
 
     @property
@@ -200,11 +203,14 @@ class StudySetup:
         if name not in self.existing and legacy in self.existing:
             name = legacy  # tuned before studies had readable names: resume under the old name
         pid = self._problem_id(op, problem)
+        space = sum(t.why_not(problem, c, self.backend) is None for t in tunables for c in t.configs())
+        # tuned: the budget measured, or every valid configuration (a space smaller than --trials; vendors only: none)
+        want = space if o.sampler == "grid" else min(o.trials, space)
 
         def tuned() -> tuple[bool, list[str]]:
             with Session(self.engine) as s:
                 w = s.scalars(select(Winner).filter_by(device_class=o.device, problem_id=pid)).first()
-                if w is not None and w.study == name and w.trials >= o.trials:
+                if w is not None and w.study == name and w.trials >= want:
                     stale = self._stale(w) if o.revalidate else []
                     if not stale:
                         self.log(f"skip {op} {problem_key(problem)}: already tuned ({w.trials} trials)")
@@ -226,9 +232,13 @@ class StudySetup:
             study_name=name, storage=self.storage, direction="minimize", load_if_exists=True, sampler=_sampler(o.sampler, o.seed)
         )
         _set_attrs(study.set_user_attr, study.user_attrs, self._study_attrs(op, problem, fingerprint))
-        task = Task(op, problem, name, pid, study, tunables, deque(), deque(), budget=o.trials,
-                    space=sum(t.why_not(problem, c, self.backend) is None for t in tunables for c in t.configs()))
+        task = Task(op, problem, name, pid, study, tunables, deque(), deque(), budget=o.trials, space=space)
         self._resume(task, rows)
+        with Session(self.engine) as s:
+            w = s.scalars(select(Winner).filter_by(device_class=o.device, problem_id=pid)).first()
+            if w is not None and w.study == name:
+                task.stored = {"impl": w.impl, "params": w.params, "median_ms": w.median_ms, "spread_ms": w.spread_ms,
+                               "vendor_impl": w.vendor_impl, "vendor_ms": w.vendor_ms, "same_stack": not self._stale(w)}
         if stale:  # measured under another stack: re-measure its stored finalists against the vendor, no new search
             self.log(f"revalidate {task.label}: measured under another {', '.join(stale)}")
             task.budget = task.asked

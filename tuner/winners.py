@@ -1,19 +1,80 @@
 """Winners: the finalists of a problem, confirmed side by side, and the one stored.
 
+The database only gets better: a time far from what the same configuration measured before
+(in this run's search, earlier runs, or the stored winner) is measured again before it is
+stored, each finalist keeps its least contended round, and a stored winner is replaced only by
+a faster one measured under the same stack. What was measured and not stored is kept with the
+winner (opsadv_winners.history).
+
 Tuner mixes Winners in; the methods use the run's engine, options (`o`), device_id, run_id,
 conditions, leases and log.
 """
 from __future__ import annotations
+
+import statistics
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 import kernel_space
 from db import Problem, Winner
+from db.models import utcnow
 from kernel_space import problem_key
 
 from .leases import lease_s
 from .study import Task, _params_key
+
+FAR = 3.0  # a time this factor slower than the same configuration's earlier times is measured again
+RECONFIRM = 2  # at most this many extra confirmation rounds
+HISTORY = 20  # entries kept in a winner's history
+
+
+def far(ms: float, earlier: list[float]) -> float | None:
+    """The median of `earlier` when `ms` is more than FAR times slower than it, else None.
+
+    Only slower: contention (another process, a first call's set-up) makes a kernel slower, never
+    faster, and a confirmation faster than the search's first measurement is the usual case.
+    """
+    earlier = [e for e in earlier if e and e > 0]
+    if not earlier or not ms or ms <= 0:
+        return None
+    ref = statistics.median(earlier)
+    return ref if ms > FAR * ref else None
+
+
+def choose(rows: list[dict]) -> tuple[dict, dict] | None:
+    """(best, vendor baseline): a tuned kernel replaces the vendor only when it wins beyond the noise."""
+    vendors = sorted((r for r in rows if r["vendor"]), key=lambda r: r["median_ms"])
+    tuned = sorted((r for r in rows if not r["vendor"]), key=lambda r: r["median_ms"])
+    if not vendors and not tuned:
+        return None
+    best = vendors[0] if vendors else tuned[0]
+    if vendors and tuned:
+        v, t = vendors[0], tuned[0]
+        noise = max(v["spread_ms"], t["spread_ms"], 0.01 * v["median_ms"])
+        if v["median_ms"] - t["median_ms"] > noise:
+            best = t
+    return best, (vendors[0] if vendors else best)
+
+
+def outliers(rows: list[dict], earlier: dict[str, list[float]]) -> list[tuple[dict, float]]:
+    """(row, earlier median) for the best and the vendor baseline of `rows` far slower than their earlier times."""
+    picked = choose(rows)
+    if picked is None:
+        return []
+    out = []
+    for r in {id(r): r for r in picked}.values():
+        ref = far(r["median_ms"], earlier.get(r["key"], []))
+        if ref is not None:
+            out.append((r, ref))
+    return out
+
+
+def _entry(run_id: int, row: dict, vendor: dict, **extra: Any) -> dict:
+    return {"run_id": run_id, "at": utcnow().isoformat(timespec="seconds"), "impl": row["impl"], "params": row["params"],
+            "median_ms": row["median_ms"], "spread_ms": row["spread_ms"], "vendor_impl": vendor["impl"],
+            "vendor_ms": vendor["median_ms"], **extra}
 
 
 class Winners:
@@ -28,50 +89,92 @@ class Winners:
                 picks.append({**r, "key": k})
             if len(picks) >= self.o.finalists:
                 break
+        st = task.stored
+        if st and not kernel_space.get_impl(task.op, st["impl"]).vendor and any(t.name == st["impl"] for t in task.tunables):
+            k = _params_key(st["impl"], st["params"])  # the stored winner is measured beside its challengers
+            if k not in keys:
+                picks.append({"impl": st["impl"], "params": st["params"], "vendor": False, "median_ms": st["median_ms"],
+                              "spread_ms": st["spread_ms"], "key": k})
         picks += [{**r, "key": _params_key(r["impl"], r["params"])} for r in ven[:1]]
         return picks
 
-    def _write_winner(self, task: Task, confirmed: tuple[list[dict], dict] | None) -> None:
-        """Store the winner; a tuned kernel replaces the vendor only when it wins beyond the noise."""
+    def _earlier(self, task: Task) -> dict[str, list[float]]:
+        """Per configuration, its times before the confirmation: this run's search, earlier runs, the stored winner."""
+        out: dict[str, list[float]] = {}
+        for r in task.results:
+            out.setdefault(_params_key(r["impl"], r["params"]), []).append(r["median_ms"])
+        st = task.stored
+        if st and st["same_stack"]:
+            out.setdefault(_params_key(st["impl"], st["params"]), []).append(st["median_ms"])
+            out.setdefault(_params_key(st["vendor_impl"], {}), []).append(st["vendor_ms"])
+        return out
+
+    def _confirmed(self, task: Task, times: dict) -> None:
+        """One confirmation round done: measure again if the best or the vendor is an outlier, else store."""
+        for c in task.finalists:
+            if c["key"] in times:
+                task.confirms.setdefault(c["key"], []).append(times[c["key"]])
+        # each finalist at its least contended round: contention only ever makes a kernel slower
+        rows = [{**c, **min(task.confirms[c["key"]], key=lambda t: t["median_ms"])} for c in task.finalists if c["key"] in task.confirms]
+        rounds = max((len(v) for v in task.confirms.values()), default=0)
+        odd = outliers(rows, self._earlier(task))
+        if odd and rounds <= RECONFIRM:
+            r, ref = odd[0]
+            self.log(f"  {task.label}: {r['impl']} measured {r['median_ms']:.4g} ms, far from its {ref:.4g} ms before; "
+                     f"measuring the finalists again")
+            task.state = "confirm"
+            return
+        self._write_winner(task, rows)
+
+    def _write_winner(self, task: Task, confirmed: list[dict] | None) -> None:
+        """Store the winner, unless the stored one (same kernels, same stack) is as fast: then keep it and record this run's."""
         task.state = "done"
-        if confirmed:
-            cands, times = confirmed
-            rows = [{**c, "median_ms": times[c["key"]]["median_ms"], "spread_ms": times[c["key"]]["spread_ms"]} for c in cands]
-        else:
-            rows = task.results
-        vendors = sorted((r for r in rows if r["vendor"]), key=lambda r: r["median_ms"])
-        tuned = sorted((r for r in rows if not r["vendor"]), key=lambda r: r["median_ms"])
-        if not vendors and not tuned:
+        picked = choose(confirmed if confirmed is not None else task.results)
+        if picked is None:
             self.log(f"  {task.label}: no candidate ran correctly; nothing stored")
             return
-        best = vendors[0] if vendors else tuned[0]
-        if vendors and tuned:
-            v, t = vendors[0], tuned[0]
-            noise = max(v["spread_ms"], t["spread_ms"], 0.01 * v["median_ms"])
-            if v["median_ms"] - t["median_ms"] > noise:
-                best = t
-        vendor = vendors[0] if vendors else best
+        best, vendor = picked
         speedup = vendor["median_ms"] / best["median_ms"]
         if not self.leases.holds(task.problem_id):
             self.log(f"  {task.label}: its lease passed to another tuner (no heartbeat for {lease_s():.0f} s); not storing")
             return
-        self.best_speedup = max(speedup, self.best_speedup or 0.0)
+        rounds = {}
+        if any(len(v) > 1 for v in task.confirms.values()):  # an outlier was measured again: every round is data
+            rounds = {"rounds": {c["impl"] + (f" {c['params']}" if c["params"] else ""): [t["median_ms"] for t in task.confirms[c["key"]]]
+                                 for c in task.finalists if c["key"] in task.confirms}}
         with Session(self.engine) as s:
             old = s.scalars(select(Winner).filter_by(device_class=self.o.device, problem_id=task.problem_id)).first()
+            history = list((old.history or []) if old is not None else [])
+            st = task.stored
+            if old is not None and st and st["same_stack"] and old.study == task.study_name and old.median_ms <= best["median_ms"]:
+                old.history = (history + [_entry(self.run_id, best, vendor, kept="stored", **rounds)])[-HISTORY:]
+                old.trials = max(old.trials, task.asked)
+                s.commit()
+                self.log(f"  kept {task.label}: the stored {old.impl} {old.median_ms:.4g} ms is as fast as this run's "
+                         f"{best['impl']} {best['median_ms']:.4g} ms (recorded with it)")
+                return
             if old is not None:
+                prev = {"impl": old.impl, "params": old.params, "median_ms": old.median_ms, "spread_ms": old.spread_ms}
+                history.append(_entry(old.run_id, prev, {"impl": old.vendor_impl, "median_ms": old.vendor_ms},
+                                      replaced_by=self.run_id, **({"study": old.study} if old.study != task.study_name else {})))
+                if rounds:
+                    history.append(_entry(self.run_id, best, vendor, **rounds))
                 s.delete(old)
                 s.flush()
+            elif rounds:
+                history.append(_entry(self.run_id, best, vendor, **rounds))
+            self.best_speedup = max(speedup, self.best_speedup or 0.0)
             s.add(Winner(
                 device_class=self.o.device, problem_id=task.problem_id, device_id=self.device_id, run_id=self.run_id,
                 study=task.study_name, impl=best["impl"], kernel_version=kernel_space.get_impl(task.op, best["impl"]).version,
                 params=best["params"], median_ms=best["median_ms"], spread_ms=best["spread_ms"],
-                vendor_impl=vendor["impl"], vendor_ms=vendor["median_ms"], speedup=vendor["median_ms"] / best["median_ms"],
-                trials=task.asked, conditions=self.conditions or None,
+                vendor_impl=vendor["impl"], vendor_ms=vendor["median_ms"], speedup=speedup,
+                trials=task.asked, conditions=self.conditions or None, history=history[-HISTORY:] or None,
             ))
             s.commit()
         self.log(
             f"  done {task.label}: {best['impl']} {best['params']} {best['median_ms']:.4g} ms vs {vendor['impl']} "
-            f"{vendor['median_ms']:.4g} ms ({vendor['median_ms'] / best['median_ms']:.2f}x; {task.asked} trials, "
+            f"{vendor['median_ms']:.4g} ms ({speedup:.2f}x; {task.asked} trials, "
             f"{task.pruned} pruned, {task.failures} failed)"
         )
 
