@@ -5,6 +5,10 @@ VENV   ?= .venv
 # built for another torch fails to import, so the two travel together.
 TORCH       ?= torch==2.14.1
 TORCHVISION ?= torchvision==0.29.1
+# The oldest transformers pyproject admits: `make test` installs it beside the venv's own (newest) one,
+# and tests/test_compile_families.py runs the converted families under both.
+TRANSFORMERS_LOW ?= transformers==5.17.0
+LOW    := $(VENV)/low-transformers
 PY     := $(VENV)/bin/python
 
 .PHONY: tune test venv-tune venv-dev bench clean
@@ -20,6 +24,7 @@ venv-tune: $(PY)
 venv-dev: $(PY)
 	$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" "$(TORCHVISION)"
 	$(PY) -m pip install -q -e ".[tune,postgres,dev]"
+	test -d $(LOW) || $(PY) -m pip install -q --target $(LOW) "$(TRANSFORMERS_LOW)"
 
 tune: venv-tune
 	$(VENV)/bin/opsadv-tune --device cpu --ops gemm,attention

@@ -7,7 +7,9 @@ enough to catch that class of failure; one family also goes through inductor."""
 from __future__ import annotations
 
 import copy
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +115,23 @@ def test_converted_torchvision_compiles_whole(arch):
         want = model(x)
         got = torch.compile(ops_adv.convert_model(copy.deepcopy(model)), fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(bool(os.environ.get("OPS_ADV_LOW_CHILD")), reason="already the low-end run")
+def test_families_compile_under_the_oldest_supported_transformers():
+    """The same family tests under the oldest transformers pyproject admits (`make test` installs it in
+    .venv/low-transformers); this venv's own transformers is the newest end."""
+    import subprocess
+
+    low = Path(sys.prefix) / "low-transformers"
+    if not (low / "transformers").is_dir():
+        pytest.skip(f"{low} is missing: `make test` installs the oldest supported transformers there")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(low), str(root)]), "OPS_ADV_LOW_CHILD": "1"}
+    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                             capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert version != transformers.__version__, "the low end must differ from the venv's transformers"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "compiles_whole_and_matches or decode_steps_compile_once"],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=1500)
+    assert r.returncode == 0, f"transformers {version}:\n{r.stdout[-4000:]}"
