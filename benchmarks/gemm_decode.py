@@ -156,12 +156,10 @@ def decode_configs(check, problem, quick: bool) -> list[dict]:
         splits = [1] + [s for s in (2, 4, 8, 16) if 132 <= tiles * s <= 4 * 132]
         if quick:
             splits = [1, 2]
-        for s in splits:
-            # the atomic reduction for the first two bases only (the sweep stays small)
-            for reduce in ("partials", "atomic") if s > 1 and (bn, bk, stages, warps) in bases[:2] else ("partials",):
-                c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
-                if check(problem, c) is None and c not in out:
-                    out.append(c)
+        for s in splits:  # split-K partials reduced in-kernel (the atomic reduction was dropped: not graph-safe)
+            c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": warps, "num_stages": stages}
+            if check(problem, c) is None and c not in out:
+                out.append(c)
     return out
 
 
@@ -215,7 +213,7 @@ def bench_decode(args, torch, dev, timer: Timer, bw: float, rows: list[dict]) ->
             log(f"decode {model:10} {layer:9} M={M:<3} N={N:<6} K={K:<5} cuBLAS {row['cublas_us']:7.1f} us "
                 f"({row['cublas_bw_frac']:4.0%} bw)  triton {row['triton_us']:7.1f} us ({row['triton_bw_frac']:4.0%} bw)  "
                 f"{ratio:5.2f}x (target {need}) {'ok ' if row['meets'] else 'MISS'}  err {err:.1e}  "
-                f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} S{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']} {cfg['REDUCE']}")
+                f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} S{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']}")
         del ws
         if dev.type == "cuda":
             torch.cuda.empty_cache()
