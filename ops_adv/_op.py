@@ -30,6 +30,9 @@ _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 # Under autocast torch's own function runs: autocast picks its dtypes (a kernel would return the input dtype).
 _autocast = torch._C._is_any_autocast_enabled
+# Under torch.func transforms (grad, vmap, jacrev, ...) torch's own function runs: the custom operators'
+# autograd is not functorch's, and the kernels have no batching rule (66 ns a call to ask).
+_functorch = torch._C._are_functorch_transforms_active
 
 
 def _traced(*ts: torch.Tensor) -> bool:
@@ -53,7 +56,7 @@ def _op_needed(op: str, *args: Any) -> bool:
 
 def _rows_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether a row-wise op (norms) covers x with these per-column parameters."""
-    if x.dim() < 1 or x.dtype not in DTYPE_CODE or _autocast():
+    if x.dim() < 1 or x.dtype not in DTYPE_CODE or _autocast() or _functorch():
         return False
     cols = x.shape[-1]
     for p in params:

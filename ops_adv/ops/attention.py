@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import _OP_FUNCS, cache_for, lookup, register_function
-from .._op import _autocast, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
+from .._op import _autocast, _functorch, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
 
 DECODE_MAX_QUERY = 16  # query rows up to which grouped-head attention runs decode_attention
 # The dispatcher's per-op cache, read directly on the hot path (a function call costs ~150 ns).
@@ -26,7 +26,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         is_causal = causal
     dt = q.dtype
     if attn_mask is None and not dropout_p and scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt \
-            and not _autocast():
+            and not _autocast() and not _functorch():
         qs, ks = q.shape, k.shape
         # 4-D, the same heads and head dim for q, k and v (no grouped K/V, Dv == D)
         if len(qs) == 4 and ks == v.shape and len(ks) == 4 and ks[1] == qs[1] and ks[3] == qs[3] and ks[0] == qs[0]:

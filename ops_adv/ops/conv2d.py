@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _autocast, _conv_format, _fresh, _is_compiling, _op_needed, _square, _traced, _tracing_state, define
+from .._op import _autocast, _functorch, _conv_format, _fresh, _is_compiling, _op_needed, _square, _traced, _tracing_state, define
 
 
 def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
@@ -18,7 +18,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     s, p, d = _square(stride), _square(padding), _square(dilation)
     if s is None or p is None or d is None or groups != 1 or x.dim() != 4 or weight.dim() != 4 \
             or x.dtype not in DTYPE_CODE or weight.dtype is not x.dtype or x.shape[1] != weight.shape[1] \
-            or (bias is not None and bias.dtype is not x.dtype) or _autocast():
+            or (bias is not None and bias.dtype is not x.dtype) or _autocast() or _functorch():
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if _traced(x, weight, bias):
         if not _is_compiling() and _tracing_state() is None and (

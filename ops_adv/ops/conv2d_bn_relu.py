@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _autocast, _conv_format, _fresh, _grad_enabled, _is_compiling, _square, _tracing_state, define
+from .._op import _autocast, _functorch, _conv_format, _fresh, _grad_enabled, _is_compiling, _square, _tracing_state, define
 
 _cache = cache_for("conv2d_bn_relu")
 
@@ -34,7 +34,7 @@ def conv2d_bn_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     s, p, d = _square(stride), _square(padding), _square(dilation)
     if s is None or p is None or d is None or bias is None or x.dim() != 4 or weight.dim() != 4 \
             or x.dtype not in DTYPE_CODE or weight.dtype is not x.dtype or bias.dtype is not x.dtype \
-            or x.shape[1] != weight.shape[1] or bias.shape != (weight.shape[0],) or _autocast():
+            or x.shape[1] != weight.shape[1] or bias.shape != (weight.shape[0],) or _autocast() or _functorch():
         return _composite(x, weight, bias, stride, padding, dilation, relu)  # autocast casts conv2d, no kernel
     if _grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
         return _composite(x, weight, bias, s, p, d, relu)  # inference op: torch's graph gives the gradients

@@ -18,7 +18,7 @@ from kernel_space.decode_attention.problem import visible
 from kernel_space.decode_attention.vendor import sdpa_decode
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _autocast, _fresh, _traced, define
+from .._op import _autocast, _functorch, _fresh, _traced, define
 
 _decode_cache = cache_for("decode_attention")
 _LENS_DTYPES = (torch.int32, torch.int64)
@@ -29,7 +29,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
     """softmax(q kᵀ · scale) v per sequence over its first seq_lens[b] keys, grouped K/V heads, bottom-right causal."""
     dt = q.dtype
     if scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt and q.dim() == 4 and k.dim() == 4 \
-            and not _autocast() and k.device == q.device and v.device == q.device:
+            and not _autocast() and not _functorch() and k.device == q.device and v.device == q.device:
         qs, ks = q.shape, k.shape
         if ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and ks[1] and qs[1] % ks[1] == 0 and (
                 seq_lens is None or (isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 and seq_lens.shape[0] == qs[0]

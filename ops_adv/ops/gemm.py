@@ -6,7 +6,7 @@ import torch
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _autocast, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
+from .._op import _autocast, _functorch, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
 
 # The dispatcher's per-op cache, read directly on the hot path (a function call costs ~150 ns).
 _gemm_cache = cache_for("gemm")
@@ -14,7 +14,7 @@ _gemm_cache = cache_for("gemm")
 
 def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul(a, b); 2-D fp16/bf16/fp32 products run the tuned kernel."""
-    if a.dim() != 2 or b.dim() != 2 or a.dtype is not b.dtype or a.dtype not in DTYPE_CODE or _autocast():
+    if a.dim() != 2 or b.dim() != 2 or a.dtype is not b.dtype or a.dtype not in DTYPE_CODE or _autocast() or _functorch():
         return torch.matmul(a, b)
     if _is_compiling() or _tracing_state() is not None:
         return torch.ops.ops_adv.gemm(a, b)

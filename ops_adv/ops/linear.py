@@ -20,7 +20,7 @@ from kernel_space._common import DTYPE_CODE
 from kernel_space.linear import ACTIVATIONS, activate
 
 from .._dispatch import _OP_FUNCS, cache_for, lookup, register_function
-from .._op import _autocast, _fresh, _traced, define
+from .._op import _autocast, _functorch, _fresh, _traced, define
 
 _linear_cache = cache_for("linear")
 
@@ -38,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_fused(x, weight, bias, activation)
     if x.dim() < 1 or weight.dim() != 2 or x.dtype is not weight.dtype or x.dtype not in DTYPE_CODE \
             or (bias is not None and (bias.dtype is not x.dtype or bias.dim() != 1)) or x.shape[-1] != weight.shape[1] \
-            or x.numel() == 0 or _autocast():
+            or x.numel() == 0 or _autocast() or _functorch():
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
     y = _OP_FUNCS["gemm"](x.reshape(-1, x.shape[-1]), weight.t())  # ops_adv.gemm
@@ -59,7 +59,7 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.dim() < 2 or weight.dim() != 2 or weight.dtype is not dt or dt not in DTYPE_CODE \
             or x.shape[-1] != weight.shape[1] or not weight.is_contiguous() or x.device != weight.device \
             or (bias is not None and (bias.dtype is not dt or bias.shape != weight.shape[:1] or bias.device != x.device)) \
-            or _autocast():
+            or _autocast() or _functorch():
         return activate(F.linear(x, weight, bias), act)
     if _traced(x, weight, bias):
         return torch.ops.ops_adv.linear(x, weight, bias, act)

@@ -22,7 +22,7 @@ from kernel_space._common import DTYPE_CODE
 from kernel_space.rope.vendor import composite, full_tables
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _grad_enabled, _is_compiling, _tracing_state, define
+from .._op import _functorch, _grad_enabled, _is_compiling, _tracing_state, define
 
 _rope_cache = cache_for("rope")
 _INT = (torch.int64, torch.int32)
@@ -34,7 +34,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """(q_out, k_out): q and k rotated; with `inplace`, written into q and k, which are returned."""
     if layout not in ("bshd", "bhsd"):
         raise ValueError(f"rope: layout {layout!r} is not one of 'bshd' (B, S, H, D) and 'bhsd' (B, H, S, D)")
-    if not _covered(q, k, cos, sin, positions, layout):
+    if _functorch() or not _covered(q, k, cos, sin, positions, layout):
         return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
     if _is_compiling() or _tracing_state() is not None or (_grad_enabled() and (q.requires_grad or k.requires_grad)):
         qo, ko = torch.ops.ops_adv.rope(q, k, cos, sin, positions, bool(interleaved), layout)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _fresh, _pair_ok, _traced, define
+from .._op import _fresh, _functorch, _pair_ok, _traced, define
 
 
 def _split(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     if up is None and (gate.dim() < 1 or gate.shape[-1] % 2):
         raise ValueError(f"swiglu: a merged gate_up tensor needs an even last dimension (gate then up), not shape "
                          f"{tuple(gate.shape)}; pass gate and up as two tensors")
-    if gate.dim() < 1 or gate.dtype not in DTYPE_CODE or (up is None and gate.shape[-1] % 2) \
+    if gate.dim() < 1 or gate.dtype not in DTYPE_CODE or _functorch() or (up is None and gate.shape[-1] % 2) \
             or (up is not None and not _pair_ok(gate, up)):
         return _swiglu_composite(gate, up)
     if _traced(gate, up):
