@@ -174,7 +174,7 @@ class Tuner(StudySetup, Winners):
         t0 = time.monotonic()
         try:
             self._loop(items, t0)
-            complete = not self._left and all(t.state == "done" and self._spent(t) for t in self.tasks)
+            complete = not self._left and all(t.state == "done" and not t.lost and self._spent(t) for t in self.tasks)
             status = "finished" if complete else "interrupted"
         except KeyboardInterrupt:
             status = "interrupted"
@@ -279,6 +279,9 @@ class Tuner(StudySetup, Winners):
                 if task.state == "done":
                     active.remove(task)
                     self.leases.release(task.problem_id)
+                    if task.lost:  # another tuner has it now: wait for that one, as for a problem held at the start
+                        tasks.remove(task)
+                        waiting.append((task.op, task.problem))
             self._show(tasks, t0, prog)
         self._show(tasks, t0, prog)
 
@@ -299,8 +302,30 @@ class Tuner(StudySetup, Winners):
         cap = MAX_PRUNED * max(1, task.budget)
         return (task.asked >= min(task.budget, task.space) or task.pruned >= cap or task.repeats >= cap) and not task.seeds
 
+    def _holds(self, task: Task, every_s: float = 0.0) -> bool:
+        """Whether this run still holds `task`'s lease (asked of the database at most every `every_s`); when another
+        tuner has taken it over (this one paused past its expiry), says so once and stops writing the problem."""
+        if task.lost:
+            return False
+        now = time.monotonic()
+        if now - task.checked_at < every_s:
+            return True
+        if self.leases.holds(task.problem_id):
+            task.checked_at = now
+            return True
+        self._lose(task)
+        return False
+
+    def _lose(self, task: Task) -> None:
+        task.lost, task.state = True, "done"
+        task.requeued.clear()
+        self.log(f"  {task.label}: its lease passed to another tuner (this one was paused past {lease_s():.0f} s); "
+                 f"leaving it to that tuner")
+
     def _next_job(self, task: Task, out_of_time: bool):
         o = self.o
+        if not self._holds(task, every_s=1.0):
+            return None
         if task.requeued:
             return task.requeued.popleft()
         if task.state == "confirm":
@@ -375,6 +400,8 @@ class Tuner(StudySetup, Winners):
             self.log(f"  {task.label}: {res['error']}; running its {kind} job again")
             return
         task.in_flight -= 1
+        if not self._holds(task):  # taken over while this job ran: its result is not ours to write
+            return
         if kind == "confirm":
             if fail:
                 self._write_winner(task, None)  # the search's own times
@@ -396,6 +423,9 @@ class Tuner(StudySetup, Winners):
             task.failures += 1
             self.log(f"  {task.label}: {name} {params} -> {status}: {(res.get('error') or '').splitlines()[0][:160] if res.get('error') else ''}")
         self._record(task, trial.number if trial is not None else None, name, params, res)
-        if trial is not None:
-            _set_attrs(trial.set_user_attr, {}, _trial_attrs(name, res))
-        self._tell(task, trial, status, res.get("median_ms"))
+        try:
+            if trial is not None:
+                _set_attrs(trial.set_user_attr, {}, _trial_attrs(name, res))
+            self._tell(task, trial, status, res.get("median_ms"))
+        except optuna.exceptions.UpdateFinishedTrialError:  # ended by the tuner that took the problem over
+            self._lose(task)

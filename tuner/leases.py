@@ -117,7 +117,8 @@ class Leases:
             try:
                 now = utcnow()
                 with self.engine.begin() as c:
-                    c.execute(update(Run).where(Run.id == self.run_id).values(heartbeat_at=now))
+                    # running again: a run paused past its lease was marked interrupted by the tuner that took over
+                    c.execute(update(Run).where(Run.id == self.run_id).values(heartbeat_at=now, status="running"))
                     c.execute(update(Lease).where(Lease.run_id == self.run_id).values(expires_at=now + timedelta(seconds=lease_s())))
             except Exception as e:  # a busy database: try again at the next beat
                 self.log(f"  heartbeat failed: {redact(str(e).splitlines()[0])[:200]}")

@@ -54,6 +54,8 @@ class Task:
     stored: dict | None = None  # the winner stored before this run (same study), kept unless beaten
     finalists: list[dict] = field(default_factory=list)  # what the confirmation rounds re-measure
     confirms: dict[str, list[dict]] = field(default_factory=dict)  # key -> its times over the confirmation rounds
+    lost: bool = False  # its lease passed to another tuner (this one paused past it): nothing more is written
+    checked_at: float = 0.0  # when this run last saw that it holds the lease
     requeued: deque = field(default_factory=deque)  # jobs lost with a worker's node: handed out again first, still in_flight
 
     @property
