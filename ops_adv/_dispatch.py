@@ -339,11 +339,29 @@ def _generic(op: str) -> Callable[..., Any]:
 # op -> the function `ops_adv.<op>`: each module of `ops_adv.ops` registers its own; other ops get _generic.
 # An op that routes to another (linear to gemm) calls it through here, so no op module imports another.
 _OP_FUNCS: dict[str, Callable[..., Any]] = {}
+# op -> its function's arguments as the kernels take them (None: no kernel covers the call), for explain and
+# benchmark; ops whose function takes what the kernels take have none.
+_KERNEL_ARGS: dict[str, Callable[..., Any]] = {}
 
 
-def register_function(op: str, fn: Callable[..., Any]) -> None:
-    """Make `fn` the function that `ops_adv.<op>`, `op_function(op)` and `dispatch(op, ...)` run."""
+def register_function(op: str, fn: Callable[..., Any], kernel_args: Callable[..., Any] | None = None) -> None:
+    """Make `fn` the function that `ops_adv.<op>`, `op_function(op)` and `dispatch(op, ...)` run;
+    `kernel_args(*args, **kwargs)` maps its arguments (torch's) to the kernels' ((tensors), {attrs}), or None."""
     _OP_FUNCS[op] = fn
+    if kernel_args is not None:
+        _KERNEL_ARGS[op] = kernel_args
+
+
+def kernel_args(op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """`ops_adv.<op>(*args, **kwargs)`'s arguments as the kernels take them, or None where torch's function runs."""
+    get_op(op)  # an unknown op: one clear error
+    adapt = _KERNEL_ARGS.get(op)
+    if adapt is None:
+        return tuple(args), dict(kwargs)
+    try:
+        return adapt(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{op}: {e}") from None
 
 
 def op_function(op: str) -> Callable[..., Any]:
@@ -362,8 +380,17 @@ def dispatch(op: str, *tensors: Any, **attrs: Any) -> Any:
     return fn(*tensors, **attrs)
 
 
-def explain(op: str, *tensors: Any, **attrs: Any) -> dict[str, Any]:
-    """Which implementation and parameters dispatch picks for these tensors, and why."""
+def explain(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Which implementation and parameters dispatch picks for `ops_adv.<op>(*args, **kwargs)`, and why
+    (source "torch": no kernel covers the call, torch's own function runs it)."""
+    mapped = kernel_args(op, args, kwargs)
+    if mapped is None:
+        return {"op": op, "problem": None, "impl": None, "params": None, "source": "torch"}
+    return decision(op, *mapped)
+
+
+def decision(op: str, tensors: tuple, attrs: dict) -> dict[str, Any]:
+    """explain() for arguments already in the kernels' form."""
     spec = get_op(op)
     problem = spec.signature(*tensors, **attrs)
     device = tensors[0].device

@@ -65,6 +65,17 @@ def _rows_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     return True
 
 
+def _last_dim(x: torch.Tensor, normalized_shape: Any) -> bool:
+    """Whether a norm's `normalized_shape` (a sequence of ints, as torch takes it) is x's last dimension;
+    anything else runs torch's function, which raises its own error."""
+    if x.dim() < 1 or isinstance(normalized_shape, int):
+        return False
+    try:
+        return len(normalized_shape) == 1 and normalized_shape[0] == x.shape[-1]
+    except TypeError:
+        return False
+
+
 def _pair_ok(x: torch.Tensor, residual: torch.Tensor) -> bool:
     """Whether a second operand (a residual, swiglu's up) matches x in shape, dtype and device."""
     return torch.is_tensor(residual) and residual.shape == x.shape and residual.dtype is x.dtype \

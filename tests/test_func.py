@@ -58,8 +58,8 @@ CASES = {
     "linear": (lambda w: ops_adv.linear(X, w, B), lambda w: F.linear(X, w, B), W),
     "linear_x": (lambda x: ops_adv.linear(x, W, B), lambda x: F.linear(x, W, B), X),
     "linear_relu": (lambda x: ops_adv.linear(x, W, B, "relu"), lambda x: F.relu(F.linear(x, W, B)), X),
-    "rms_norm": (lambda x: ops_adv.rms_norm(x, G), lambda x: F.rms_norm(x, (16,), G), X),
-    "layer_norm": (lambda x: ops_adv.layer_norm(x, G, B), lambda x: F.layer_norm(x, (16,), G, B), X),
+    "rms_norm": (lambda x: ops_adv.rms_norm(x, (16,), G), lambda x: F.rms_norm(x, (16,), G), X),
+    "layer_norm": (lambda x: ops_adv.layer_norm(x, (16,), G, B), lambda x: F.layer_norm(x, (16,), G, B), X),
     "softmax": (lambda x: ops_adv.softmax(x, -1), lambda x: torch.softmax(x, -1), X),
     "attention": (lambda q: ops_adv.attention(q, q, q, is_causal=True),
                   lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), Q),
@@ -72,7 +72,7 @@ def test_the_table_applies(table):
         pytest.skip("no table")
     assert ops_adv.explain("gemm", X, W)["impl"] == "cpu_blocked"
     assert ops_adv.explain("gemm", X, W.t())["impl"] == "cpu_blocked"
-    assert ops_adv.explain("attention", Q, Q, Q, True)["impl"] == "cpu_chunked"
+    assert ops_adv.explain("attention", Q, Q, Q, is_causal=True)["impl"] == "cpu_chunked"
     assert ops_adv.explain("rms_norm", X, G)["source"] == "nearest"
     assert ops_adv.explain("layer_norm", X, G)["source"] == "nearest"
     assert ops_adv.explain("softmax", X)["source"] == "nearest"

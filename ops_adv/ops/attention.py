@@ -52,6 +52,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
                                           scale=scale, enable_gqa=enable_gqa)
 
 
+def _kernel_args(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, causal=None):
+    """This call's arguments as the attention kernels take them ((q, k, v), {causal}), or None: SDPA runs it
+    (or decode_attention: explain that op for grouped heads)."""
+    if causal is not None:
+        is_causal = causal
+    dt = q.dtype
+    if attn_mask is None and not dropout_p and scale is None and dt in DTYPE_CODE and k.dtype is dt and v.dtype is dt:
+        qs, ks = q.shape, k.shape
+        if len(qs) == 4 and ks == v.shape and len(ks) == 4 and ks[1] == qs[1] and ks[3] == qs[3] and ks[0] == qs[0]:
+            return (q, k, v), {"causal": bool(is_causal)}
+    return None
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """The custom operator's body: what the eager path does, for tensors already checked at trace time."""
     B, H, Sq, D = q.shape
@@ -107,4 +120,4 @@ def _backward(ctx, g):
 
 
 define("attention", _attention_op, _fake, setup=_setup, backward=_backward)
-register_function("attention", attention)
+register_function("attention", attention, _kernel_args)

@@ -29,6 +29,16 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _conv2d(x, weight, bias, s, p, d)
 
 
+def _kernel_args(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """This call's arguments as the conv2d kernels take them ((x, weight), {stride, padding, dilation}; the
+    bias is added after the kernel), or None: torch's function runs it."""
+    s, p, d = _square(stride), _square(padding), _square(dilation)
+    if s is None or p is None or d is None or groups != 1 or x.dim() != 4 or weight.dim() != 4 \
+            or x.dtype not in DTYPE_CODE or weight.dtype is not x.dtype or x.shape[1] != weight.shape[1]:
+        return None
+    return (x, weight), {"stride": s, "padding": p, "dilation": d}
+
+
 def _conv_out_ok(x, weight, s: int, p: int, d: int) -> bool:
     H, W = x.shape[2:]
     R, S = weight.shape[2:]
@@ -79,4 +89,4 @@ def _backward(ctx, g):
 
 
 define("conv2d", _conv2d_op, _fake, setup=_setup, backward=_backward)
-register_function("conv2d", conv2d)
+register_function("conv2d", conv2d, _kernel_args)

@@ -1,19 +1,30 @@
 """rms_norm: F.rms_norm over the last dimension through the tuned kernel; `ops_adv::rms_norm`."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _fresh, _is_compiling, _op_needed, _rms_grads, _rows_ok, _traced, _tracing_state, define
+from .._op import _fresh, _last_dim, _is_compiling, _op_needed, _rms_grads, _rows_ok, _traced, _tracing_state, define
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = None) -> torch.Tensor:
-    """F.rms_norm(x, (x.shape[-1],), weight, eps); `eps=None` is torch's default, not a constant of ours."""
+def rms_norm(x: torch.Tensor, normalized_shape: Any = None, weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    """F.rms_norm(x, normalized_shape, weight, eps); normalizing the last dimension runs the tuned kernel.
+
+    `eps=None` is torch's default, not a constant of ours. The short form `rms_norm(x, weight, eps)`
+    (the last dimension) is accepted too.
+    """
+    if isinstance(normalized_shape, torch.Tensor):  # rms_norm(x, weight[, eps])
+        normalized_shape, weight, eps = None, normalized_shape, (weight if weight is not None else eps)
+    if normalized_shape is not None and not _last_dim(x, normalized_shape):
+        return F.rms_norm(x, normalized_shape, weight, eps)
     if weight is None or not _rows_ok(x, weight):
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+        return F.rms_norm(x, x.shape[-1:] if normalized_shape is None else normalized_shape, weight, eps)
     if eps is None:  # as F.rms_norm: the epsilon of the type it computes in (fp32 for 16-bit inputs)
         eps = torch.finfo(torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype).eps
     if _traced(x, weight):
@@ -21,6 +32,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = N
             return F.rms_norm(x, x.shape[-1:], weight, eps)
         return torch.ops.ops_adv.rms_norm(x, weight, float(eps))
     return _rms_norm(x, weight, float(eps))
+
+
+def _kernel_args(x, normalized_shape=None, weight=None, eps=None):
+    """This call's arguments as the rms_norm kernels take them ((x, weight), {eps}), or None: torch's function runs it."""
+    if isinstance(normalized_shape, torch.Tensor):
+        normalized_shape, weight, eps = None, normalized_shape, (weight if weight is not None else eps)
+    if (normalized_shape is not None and not _last_dim(x, normalized_shape)) or weight is None or not _rows_ok(x, weight):
+        return None
+    if eps is None:
+        eps = torch.finfo(torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype).eps
+    return (x, weight), {"eps": float(eps)}
 
 
 def _rms_norm(x, weight, eps: float) -> torch.Tensor:
@@ -55,4 +77,4 @@ def _backward(ctx, g):
 
 
 define("rms_norm", _rms_norm_op, _fake, setup=_setup, backward=_backward)
-register_function("rms_norm", rms_norm)
+register_function("rms_norm", rms_norm, _kernel_args)

@@ -5,7 +5,7 @@ import statistics
 import time
 from typing import Any
 
-from kernel_space import backend_of, get_impl, get_op, impls, relative_error
+from kernel_space import OpsAdvError, backend_of, get_impl, get_op, impls, relative_error
 
 from .. import _dispatch
 
@@ -23,16 +23,20 @@ class BenchmarkResult(list):
         return "\n".join(out)
 
 
-def benchmark(op: str, *tensors: Any, reps: int = 20, **attrs: Any) -> BenchmarkResult:
+def benchmark(op: str, *args: Any, reps: int = 20, **kwargs: Any) -> BenchmarkResult:
     """Time every implementation of `op` that runs on these inputs' device (default parameters, and the
     table's parameters where it holds this problem), check each against the op's reference, and mark
-    the one dispatch picks. Implementations that cannot run say why."""
+    the one dispatch picks. Implementations that cannot run say why. The arguments are `ops_adv.<op>`'s."""
     spec = get_op(op)
+    mapped = _dispatch.kernel_args(op, args, kwargs)
+    if mapped is None:
+        raise OpsAdvError(f"benchmark: no {op} kernel covers this call (ops_adv.{op} runs torch's own function for it)")
+    tensors, attrs = mapped
     problem_t = spec.signature(*tensors, **attrs)
     problem = spec.problem._make(problem_t)
     dev = tensors[0].device
     backend = backend_of(dev)
-    chosen = _dispatch.explain(op, *tensors, **attrs)
+    chosen = _dispatch.decision(op, tensors, attrs)
     ref = spec.reference(*tensors, **attrs)
     tol = spec.tolerance(problem.dtype)
     candidates = [(i, i.default_params()) for i in impls(op)]
