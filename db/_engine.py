@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,10 @@ def default_url() -> str:
     return f"sqlite:///{base / 'tuning.db'}"
 
 
+# Messages never start with "database URL": redact(), applied again by the command lines, takes a text that starts
+# with one or two words and :// for a single URL (whose password may hold a space) and hides all of it.
+
+
 def _url_error(url: str, why: str, fix: str) -> "DatabaseError":
     return DatabaseError(f"{why} ({redact(url)}); {fix}")
 
@@ -40,9 +45,9 @@ def classify(e: BaseException, url: str, doing: str = "use") -> "DatabaseError":
     sqlite = normalize(url).startswith("sqlite")
     where = f"database {redact(url)}"
     if "file is not a database" in low or "database disk image is malformed" in low:
-        return DatabaseError(f"{where} is not an SQLite database (or is damaged); pass --db with another path, or move the file away")
+        return DatabaseError(f"the {where} is not an SQLite database (or is damaged); pass --db with another path, or move the file away")
     if "readonly" in low or "read-only" in low or "read only" in low:
-        return DatabaseError(f"{where} is read-only ({reason}); tuning writes to it: pass --db with a writable database")
+        return DatabaseError(f"the {where} is read-only ({reason}); tuning writes to it: pass --db with a writable database")
     if sqlite and ("unable to open" in low or "disk i/o" in low or "permission" in low):
         return DatabaseError(f"cannot open {where}: {reason}; check that the path and its folder exist and are writable")
     if "password authentication" in low or "authentication failed" in low or "no password supplied" in low:
@@ -54,8 +59,19 @@ def classify(e: BaseException, url: str, doing: str = "use") -> "DatabaseError":
     return DatabaseError(f"cannot {doing} {where}: {reason}")
 
 
+_KEY_VALUE = re.compile(r"(^|\s)[A-Za-z_]+\s*=")  # libpq's "host=... dbname=... password=..."
+_DB_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
 def normalize(url: str) -> str:
     if "://" not in url:  # a bare path means SQLite
+        if _KEY_VALUE.search(url):
+            raise DatabaseError("the database is given as libpq key=value pairs, which ops-adv does not read; "
+                                "write it as a URL: postgresql://USER:PASSWORD@HOST:PORT/DB")
+        if not (os.sep in url or "/" in url or url.startswith("~") or url.lower().endswith(_DB_SUFFIXES)):
+            shown = f"{url!r} " if re.fullmatch(r"[\w.\-]{1,40}", url) else ""
+            raise DatabaseError(f"the database {shown}is neither a URL nor a path to an SQLite file; write sqlite:///PATH, "
+                                f"postgresql://USER@HOST/DB, or a path such as ./tuning.db")
         return f"sqlite:///{Path(url).expanduser().resolve()}"
     scheme, rest = url.split("://", 1)
     if scheme in ("postgres", "postgresql"):
@@ -80,17 +96,23 @@ def check_url(url: str):
     return parsed
 
 
-def make_engine(url: str, *, create_dir: bool = True) -> "Engine":
+def make_engine(url: str, *, create_dir: bool = True, must_exist: bool = False) -> "Engine":
+    """An engine for `url`, checked by one query; `must_exist`: an SQLite file that is not there is an error, not created
+    (what read-only commands want: a mistyped path is not a new empty database)."""
     from sqlalchemy import create_engine, event, text
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
     url = normalize(url)
     parsed = check_url(url)
+    if must_exist and url.startswith("sqlite"):
+        path = parsed.database or ""
+        if path and path != ":memory:" and not path.startswith("file:") and not os.path.exists(path):
+            raise DatabaseError(f"there is no database at {redact(path)}; check the path (opsadv-tune creates the database)")
     if url.startswith("sqlite:///") and create_dir:
         path = parsed.database or ""
         if path and path != ":memory:" and not path.startswith("file:"):
             if os.path.exists(path) and not os.path.isfile(path):
-                raise DatabaseError(f"database {redact(url)} is not a file; pass --db with the path of an SQLite file")
+                raise DatabaseError(f"the database {redact(url)} is not a file; pass --db with the path of an SQLite file")
             try:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -182,7 +204,7 @@ def _refuse_unknown(engine: "Engine", url: str) -> None:
     cur = current(engine)
     if cur is not None and not known(cur):
         raise DatabaseError(
-            f"database {redact(url)} is at schema {cur[:40]}, newer than this ops-adv (head {head()}); "
+            f"the database {redact(url)} is at schema {cur[:40]}, newer than this ops-adv (head {head()}); "
             f"upgrade ops-adv (pip install -U ops-adv) or pass --db with another database"
         )
     if cur is None:
@@ -192,7 +214,7 @@ def _refuse_unknown(engine: "Engine", url: str) -> None:
             raise classify(e, url, "read") from None
         if any(n.startswith("opsadv_") and n != VERSION_TABLE for n in names):
             raise DatabaseError(
-                f"database {redact(url)} has ops-adv tables but no {VERSION_TABLE} table, so its schema is unknown; "
+                f"the database {redact(url)} has ops-adv tables but no {VERSION_TABLE} table, so its schema is unknown; "
                 f"pass --db with another database, or move this one away and tune again"
             )
 
@@ -203,7 +225,7 @@ def check_schema(engine: "Engine", url: str) -> None:
     cur, want = current(engine), head()
     if cur != want:
         raise DatabaseError(
-            f"database {redact(url)} is at schema {cur or 'none'}, this ops-adv needs {want}; "
+            f"the database {redact(url)} is at schema {cur or 'none'}, this ops-adv needs {want}; "
             f"back it up, then run: opsadv-db upgrade {redact(url)}"
         )
 
@@ -223,7 +245,7 @@ def check_writable(engine: "Engine", url: str) -> None:
 
 def open_db(url: str, *, migrate: bool = True) -> "Engine":
     """Engine for `url`, migrated to head when `migrate` (a fresh SQLite file is created)."""
-    engine = make_engine(url)
+    engine = make_engine(url, must_exist=not migrate)
     if migrate:
         upgrade(engine)
         check_writable(engine, url)

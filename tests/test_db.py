@@ -37,8 +37,8 @@ def test_stale_schema_is_refused_with_the_fix(sqlite_url):
 
 
 def test_opsadv_db_cli(sqlite_url):
-    r = cli("opsadv-db", "current", sqlite_url)
-    assert r.returncode == 0 and r.stdout.startswith("none"), r.stderr
+    r = cli("opsadv-db", "current", sqlite_url)  # only reads: a path with no database is an error, and stays empty
+    assert r.returncode == 2 and "no database at" in r.stderr, r.stderr
     r = cli("opsadv-db", "upgrade", sqlite_url)
     assert r.returncode == 0 and db.head() in r.stdout, r.stderr
     r = cli("opsadv-db", "current", sqlite_url)

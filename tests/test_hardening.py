@@ -359,6 +359,7 @@ def test_stale_schema_still_advises_upgrade(tmp_path, capsys):
     db.make_engine(url).dispose()
     rc, out, err = _call(export_main, "--device", "cpu", "--out", str(tmp_path / "d"), "--db", url, capsys=capsys)
     _one_line_exit_2(rc, err, "opsadv-db upgrade")
+    db.make_engine(f"sqlite:///{tmp_path / 'x' / 'n.db'}").dispose()  # an empty database: no schema yet
     rc, out, err = _call(db_main, "current", f"sqlite:///{tmp_path / 'x' / 'n.db'}", capsys=capsys)
     assert rc == 0 and out.startswith("none")
 

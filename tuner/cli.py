@@ -191,7 +191,7 @@ def db_main(argv: list[str] | None = None) -> int:
         import db
 
         url = args.url or _db_default()
-        engine = db.make_engine(url)
+        engine = db.make_engine(url, must_exist=args.cmd == "current")  # current only reads: a mistyped path is an error
         if args.cmd == "upgrade":
             db.upgrade(engine)
             print(f"{db.redact(url)}: schema at {db.current(engine)}")

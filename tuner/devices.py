@@ -34,7 +34,7 @@ def check_device(device: str, on_cluster: bool) -> Placement:
     if device not in KNOWN_CLASSES and not device.replace("-", "").isalnum():
         raise DeviceError(f"unknown device {short(device, 40)}; use one of {', '.join(KNOWN_CLASSES)}")
     if device == "cpu":
-        return Placement(None, None if on_cluster else 1)
+        return Placement(None, 1)  # one measuring worker (--workers for more), on a cluster as here
     if device not in KNOWN_CLASSES:
         raise DeviceError(f"unknown device {short(device, 40)}; use one of {', '.join(KNOWN_CLASSES)}")
     accel = RAY_ACCELERATOR.get(device, device.upper())

@@ -72,6 +72,22 @@ class TuneOptions:
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
 
 
+def _sigterm_as_interrupt() -> Callable[[], None]:
+    """SIGTERM (kill, a scheduler's stop) ends the run as Ctrl-C does: finished trials kept, the run marked
+    interrupted. Returns what restores the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
 class Tuner(StudySetup, Winners):
     """One tuning run: its problems leased, their studies asked in turn, their winners stored."""
 
@@ -111,6 +127,7 @@ class Tuner(StudySetup, Winners):
         ops = ", ".join(dict.fromkeys(op for op, _ in o.problems))
         self.log(f"tuning {len(o.problems)} problem(s) of {ops} on {o.device} into {redact(o.db_url)}")
         owned = start_ray(o.ray_address, num_cpus=None)
+        restore = _sigterm_as_interrupt()  # after ray.init, which installs its own (a dump, and the run marked failed)
         try:
             n = o.workers or placement.count()
             self.log(f"starting {n} measuring worker(s) for {o.device}")
@@ -136,6 +153,7 @@ class Tuner(StudySetup, Winners):
                 self.stats = {"wall_s": round(time.monotonic() - t, 3), "workers": self.pool.stats()}
                 self.pool.shutdown()
         finally:
+            restore()
             if owned:
                 import ray
 

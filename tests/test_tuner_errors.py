@@ -1,0 +1,109 @@
+"""Error states a new user hits, each one clear line and a correct run state (issue 22, item 5)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+import db
+from conftest import ROOT
+from tuner.cli import db_main, export_main, report_main, tune_main
+
+PG_URL = os.environ.get("OPS_ADV_TEST_PG_URL")
+
+
+def _one_line(capsys, rc: int) -> str:
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.skipif(not PG_URL, reason="no PostgreSQL (OPS_ADV_TEST_PG_URL)")
+@pytest.mark.postgres
+def test_postgres_at_an_older_schema_names_the_database_and_hides_only_the_password(capsys):
+    from sqlalchemy import MetaData
+    from sqlalchemy.engine import make_url
+
+    engine = db.make_engine(PG_URL)
+    md = MetaData()
+    md.reflect(engine)
+    md.drop_all(engine)
+    db.upgrade(engine, "0002")  # every existing fleet's database before this release
+    engine.dispose()
+    line = _one_line(capsys, report_main(["--device", "cpu", "--db", PG_URL]))
+    u = make_url(PG_URL)
+    assert f"@{u.host}:{u.port or 5432}/" in line and "is at schema 0002" in line and "upgrade postgresql" in line, line
+    assert "***://" not in line
+    if u.password and u.password not in (u.username, u.database, u.host):
+        assert u.password not in line
+
+
+def test_a_libpq_key_value_string_is_refused_and_no_file_is_made(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(capsys, tune_main(["--device", "cpu", "--ops", "gemm", "--db", "host=localhost dbname=x password=hunter2"]))
+    assert "key=value" in line and "hunter2" not in line
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("main,args", [
+    (report_main, ["--device", "cpu", "--db"]),
+    (export_main, ["--device", "cpu", "--out", "dist", "--db"]),
+    (db_main, ["current"]),
+])
+def test_read_only_commands_do_not_create_a_database(main, args, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(capsys, main([*args, str(tmp_path / "tunnig.db")]))
+    assert "no database at" in line and "tunnig.db" in line
+    assert not (tmp_path / "tunnig.db").exists() and not (tmp_path / "dist").exists()
+
+
+def test_db_upgrade_with_a_placeholder_makes_no_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(capsys, db_main(["upgrade", "URL"]))  # README's `opsadv-db upgrade URL`, pasted as written
+    assert "'URL' is neither a URL nor a path" in line
+    assert os.listdir(tmp_path) == []
+    assert db_main(["upgrade", "./tuning.db"]) == 0 and (tmp_path / "tuning.db").exists()  # a path is still a path
+
+
+def test_cpu_on_a_cluster_without_workers_is_one_worker():
+    from tuner.devices import check_device
+
+    assert check_device("cpu", True).count() == 1  # was: "the Ray cluster has no None GPU"
+
+
+@pytest.mark.ray
+def test_sigterm_is_handled_like_ctrl_c(tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps({"gemm": [{"M": 64, "N": 64, "K": 64}]}))
+    code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    p = subprocess.Popen([sys.executable, "-c", code, "--device", "cpu", "--ops", "gemm", "--shapes", str(shapes), "--trials", "30",
+                          "--db", url, "--plugin", "plugins.slow", "--impls", "slow_matmul", "--progress", "plain"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                with Session(db.make_engine(url, must_exist=True)) as s:
+                    if s.scalar(select(func.count()).select_from(db.Trial)) >= 2:
+                        break
+            except Exception:
+                continue
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err[-3000:]
+    assert "re-run the same command to resume" in err and "Traceback" not in err and "SIGTERM" not in err, err[-3000:]
+    with Session(db.make_engine(url)) as s:
+        assert [r.status for r in s.scalars(select(db.Run))] == ["interrupted"]
