@@ -68,7 +68,7 @@ class Decode:
 
     def __call__(self, model=None) -> torch.Tensor:
         with torch.no_grad():
-            return (model or self.model)(self.tok, past_key_values=self.cache, cache_position=self.pos).logits
+            return (self.model if model is None else model)(self.tok, past_key_values=self.cache, cache_position=self.pos).logits
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,8 @@ def test_capture_failure_fails_only_what_is_declared_graph_safe():
     safe, vendor = bench.run(trial("syncs_safe")), bench.run(trial("syncs_vendor"))
     assert safe["status"] == "runtime_error" and "CUDA graph capture failed" in safe["error"], safe
     assert vendor["status"] == "ok" and vendor["graph_error"] and vendor["median_ms"] > 0, vendor
-    assert not safe["context_lost"] and bench.run(trial("torch_matmul"))["status"] == "ok"  # the process stays usable
+    # a failed capture can leave torch's capture state behind: the worker is replaced either way
+    assert safe["context_lost"] and vendor["context_lost"]
 
 
 @pytest.mark.gpu

@@ -142,9 +142,17 @@ def check_graph(fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, d
             with torch.cuda.graph(graph):
                 res = fn(*args, **attrs)
         except Exception as exc:
-            if classify(exc, device)[1]:
+            if any(f in str(exc) for f in _FATAL_CUDA):
                 raise
-            return {"graph_error": short_error(exc, 300, lines=2)}
+            # A capture invalidated by a forbidden call leaves its error for the next CUDA call to read
+            # (on the H200, torch 2.11: the first probe after it fails), and torch may leave the
+            # capture's allocator pool and generator state behind: read the error once, and have the
+            # worker replaced ("context_lost") so that no later trial runs in that process.
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:
+                pass
+            return {"graph_error": short_error(exc, 300, lines=2), "context_lost": True}
         out, errs = _first(res), []
         for _ in range(replays):
             if torch.is_tensor(out) and out.dtype.is_floating_point:
