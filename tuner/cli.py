@@ -79,8 +79,9 @@ def _load_plugins(mods: list[str]) -> list[str]:
 
 def tune_main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="opsadv-tune", description="Tune kernels for each (op, problem) on a device and store the winners.")
-    ap.add_argument("--device", required=True, help="device class: cpu, h100, h200, a100, ...")
-    ap.add_argument("--ops", required=True, help="comma-separated ops, e.g. gemm,attention")
+    ap.add_argument("--device", help="device class: cpu, h100, h200, a100, ... (see --list)")
+    ap.add_argument("--ops", help="comma-separated ops, e.g. gemm,attention (see --list)")
+    ap.add_argument("--list", action="store_true", help="print the device classes, the ops and their implementations, and exit")
     ap.add_argument("--shapes", help="YAML or JSON file of problems (default: the built-in set per op)")
     ap.add_argument("--trials", type=int, default=24, help="trials per problem (default 24)")
     ap.add_argument("--timeout", type=float, help="stop asking new trials after this many seconds; re-run to resume")
@@ -103,6 +104,11 @@ def tune_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--revalidate", action="store_true",
                     help="re-measure the stored finalists of winners measured under another torch/Triton/CUDA/driver/threads")
     args = ap.parse_args(argv)
+    if args.list:
+        return _run("opsadv-tune", lambda: _list(args.plugin))
+    missing = [f for f in ("--device", "--ops") if getattr(args, f[2:]) is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)}")
 
     def body() -> int:
         import kernel_space
@@ -153,6 +159,23 @@ def tune_main(argv: list[str] | None = None) -> int:
         return 0
 
     return _run("opsadv-tune", body)
+
+
+def _list(plugins: list[str]) -> int:
+    """`opsadv-tune --list`: the device classes, then each op with its implementations (source, backends)."""
+    import kernel_space
+    from kernel_space._device import KNOWN_CLASSES
+    from kernel_space._registry import source_of
+
+    _load_plugins(plugins)
+    print(f"devices: {', '.join(KNOWN_CLASSES)}")
+    print("ops (implementation: source, backends; * the vendor kernel):")
+    for op in kernel_space.ops():
+        print(f"  {op}")
+        for i in kernel_space.impls(op):
+            why = f"; {i.unavailable}" if i.unavailable else ""
+            print(f"    {i.name}{'*' if i.vendor else ''}: {source_of(i)}, {'/'.join(sorted(i.backends))}{why}")
+    return 0
 
 
 def _command(argv: list[str] | None) -> str:

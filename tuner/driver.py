@@ -240,13 +240,16 @@ class Tuner(StudySetup, Winners):
         trials = sum(t.asked for t in tasks)
         # one step per trial of the budget plus one per problem (its vendors and the confirmation)
         steps = sum(q + 1 if d else min(t.asked, q) for t, q, d in zip(tasks, quota, done))
-        prog.update(time.monotonic() - t0, sum(done), len(tasks), trials, sum(quota), steps, sum(quota) + len(tasks),
-                    self.best_speedup)
+        # problems against the run's total: those skipped as tuned count as done, those not yet started as to do
+        total = max(self._total, len(tasks) + self._skipped)
+        prog.update(time.monotonic() - t0, sum(done) + self._skipped, total, trials, sum(quota), steps,
+                    sum(quota) + len(tasks), self.best_speedup)
 
     def _loop_with(self, items: list[tuple[str, Any]], t0: float, prog: Progress) -> None:
         o = self.o
         tasks = self.tasks
         pending = deque(items)  # (op, problem) not yet claimed
+        self._total, self._skipped = len(items), 0
         waiting: list = []  # leased to another live run: tried again now and then
         retry_at, said = 0.0, False
         active: list[Task] = []
@@ -271,7 +274,9 @@ class Tuner(StudySetup, Winners):
                 task = self._claim_task(op, problem)
                 if task == "held":
                     waiting.append((op, problem))
-                elif task is not None:
+                elif task is None:
+                    self._skipped += 1
+                else:
                     tasks.append(task)
                     active.append(task)
             for slot in self.pool.free():
