@@ -646,12 +646,13 @@ class Child:
     current: "subprocess.Popen | None" = None
 
     @staticmethod
-    def run(spec: dict, limit: float) -> tuple[int | None, list[str]]:
+    def run(spec: dict, limit: float, script: str | None = None) -> tuple[int | None, list[str]]:
+        """`script --child SPEC` (default: this file) under `limit` seconds: (exit code or None, stderr's tail)."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
         tail: collections.deque[str] = collections.deque(maxlen=40)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        p = Child.current = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f.name],
+        p = Child.current = subprocess.Popen([sys.executable, script or str(Path(__file__).resolve()), "--child", f.name],
                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                              text=True, errors="replace", env=env, start_new_session=True)
 
