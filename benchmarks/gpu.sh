@@ -12,6 +12,8 @@
 #   TABLE=path       tuned table for e2e, dispatch, sanitize (default: $OUT/e2e-tune/opsadv-table.json if there)
 #   E2E_CASES=...    e2e_model.py --cases (e2e, e2e-tune; default llama-decode; E2E_TUNE_CASES, E2E_TUNE_ARGS for e2e-tune alone)
 #   E2E_ARGS="..."   more e2e_model.py flags (e.g. "--decode-batch 1,8 --contexts 1024 --layers 2")
+#   DECODE_STEP_ARGS="..."   more decode_step.py flags (e.g. "--parts bandwidth,layer", then "--parts generate" in a
+#                    second call, and decode_step.py --merge of the two decode_step.json)
 #   TUNE_S=120 TRIALS=8   seconds and counted trials per problem of the tune stages
 set -u
 STAGES=(  # name | limit s | what it runs
@@ -24,6 +26,7 @@ STAGES=(  # name | limit s | what it runs
   "tune           | 450 | tune the six ops' default problems, export, check, dispatch vs vendor through the table, report"
   "e2e-tune       | 330 | record the e2e models' problems (E2E_TUNE_CASES), tune them (TUNE_S), export \$OUT/e2e-tune/opsadv-table.json"
   "e2e            | 560 | benchmarks/e2e_model.py (E2E_CASES, E2E_ARGS) with TABLE: each case in its own process"
+  "decode-step    | 500 | benchmarks/decode_step.py (DECODE_STEP_ARGS) with TABLE: Llama-3-8B decode per layer against the HBM bound, generate() tok/s"
   "recompiles     | 420 | why compile(converted) recompiles in decode (TORCH_LOGS=recompiles), original and converted"
   "convert-checks | 200 | benchmarks/convert_checks.py: graph breaks and gradients of converted Llama and ResNet-50"
   "faults         | 120 | a kernel out of bounds and a spinning one, recorded by the tuner as errors; the run goes on"
@@ -153,6 +156,13 @@ stage() {
     OPS_ADV_TABLE=$tbl TAIL=40 step e2e 560 python3 benchmarks/e2e_model.py --device cuda --cases "${E2E_CASES:-llama-decode}" \
       --deadline-s $(($(left) - 35)) ${E2E_ARGS:-} --out "$D"
     sed -n '/^## Targets/,/^## Impl/p' "$D/e2e.md" 2> /dev/null ;;
+  decode-step)
+    local tbl lim=500; tbl=$(table_or_none)
+    echo "table: ${tbl:-none (every op runs its default)}"
+    [ "$(left)" -lt $((lim + 12)) ] && lim=$(($(left) - 12))
+    # the run starts no job past its deadline and cuts the one running there; 30 s to write the report and plot
+    TAIL=45 step decode-step 500 python3 benchmarks/decode_step.py --device cuda ${tbl:+--table "$tbl"} \
+      --deadline-s $((lim - 30)) ${DECODE_STEP_ARGS:-} --out "$D" ;;
   recompiles)
     local tbl; tbl=$(table_or_none)
     local v
