@@ -224,6 +224,28 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
     return fn
 
 
+def decided(op: str, problem: tuple, device) -> tuple[str, dict, str]:
+    """(implementation, parameters, source) that `op` runs for `problem` on `device` (resolved if new)."""
+    key = (op, _device_class(device), problem)
+    d = _decisions.get(key)
+    if d is None or (problem, device) not in _caches.get(op, ()):
+        lookup(op, problem, device)
+        d = _decisions[key]
+    return d
+
+
+def stand_in(op: str, problem: tuple, device, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` standing in for `op`'s implementation for `problem` (a caller's equivalent of a vendor kernel):
+    counted as a miss and wrapped (profilers, NaN checks) as `lookup`'s own would be."""
+    impl, _params, source = decided(op, problem, device)
+    spec = get_op(op)
+    if source != "tuned":
+        fn = _counting(fn, (op, spec.bucket(problem)))
+    for wrap in _wrappers:
+        fn = wrap(op, spec.problem._make(problem), impl, source, fn)
+    return fn
+
+
 def runs_default(op: str, problem: tuple, device) -> bool:
     """Whether `op` runs its default implementation for `problem` on `device` (nothing tuned or near
     applies): then a call that needs autograd can be torch's own function, graph and all."""
@@ -342,14 +364,25 @@ _OP_FUNCS: dict[str, Callable[..., Any]] = {}
 # op -> its function's arguments as the kernels take them (None: no kernel covers the call), for explain and
 # benchmark; ops whose function takes what the kernels take have none.
 _KERNEL_ARGS: dict[str, Callable[..., Any]] = {}
+_SIGNATURES: dict[str, Callable[..., tuple]] = {}  # op -> the problem as its function keys it, where not the spec's
 
 
-def register_function(op: str, fn: Callable[..., Any], kernel_args: Callable[..., Any] | None = None) -> None:
+def register_function(op: str, fn: Callable[..., Any], kernel_args: Callable[..., Any] | None = None,
+                      signature: Callable[..., tuple] | None = None) -> None:
     """Make `fn` the function that `ops_adv.<op>`, `op_function(op)` and `dispatch(op, ...)` run;
-    `kernel_args(*args, **kwargs)` maps its arguments (torch's) to the kernels' ((tensors), {attrs}), or None."""
+    `kernel_args(*args, **kwargs)` maps its arguments (torch's) to the kernels' ((tensors), {attrs}), or None;
+    `signature(*tensors, **attrs)` is the problem as `fn` keys it (default: the op spec's)."""
     _OP_FUNCS[op] = fn
     if kernel_args is not None:
         _KERNEL_ARGS[op] = kernel_args
+    if signature is not None:
+        _SIGNATURES[op] = signature
+
+
+def signature_of(op: str) -> Callable[..., tuple]:
+    """The problem signature dispatch keys `op` by."""
+    sig = _SIGNATURES.get(op)
+    return sig if sig is not None else get_op(op).signature
 
 
 def kernel_args(op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -392,7 +425,7 @@ def explain(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
 def decision(op: str, tensors: tuple, attrs: dict) -> dict[str, Any]:
     """explain() for arguments already in the kernels' form."""
     spec = get_op(op)
-    problem = spec.signature(*tensors, **attrs)
+    problem = signature_of(op)(*tensors, **attrs)
     device = tensors[0].device
     if (problem, device) not in _caches.setdefault(op, {}):
         _resolve(op, problem, device)

@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 
-from kernel_space import get_op
 from kernel_space._common import DTYPE_CODE
 
 from . import _dispatch
@@ -50,7 +49,7 @@ def _op_needed(op: str, *args: Any) -> bool:
     """For a call recorded for autograd: whether a tuned kernel applies (then the custom operator runs
     it, with our backward), or the default does (then torch's own function runs, graph and all: a
     custom operator's dispatch costs 17-78 µs a call here, and torch's backward is torch's)."""
-    problem = get_op(op).signature(*args)
+    problem = _dispatch.signature_of(op)(*args)
     return not _dispatch.runs_default(op, problem, args[0].device)
 
 

@@ -166,3 +166,86 @@ def test_torch_compile_fullgraph():
 
     compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), F.silu(F.linear(x * 2.0, w, b)) + 1.0)
+
+
+# --------------------------------------------------------------------------- ops_adv.linear without an activation
+
+import json  # noqa: E402
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import ops_adv  # noqa: E402
+from ops_adv import _table  # noqa: E402
+
+
+class _AtenCalls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _gemm_table(path, impl: str, params: dict) -> str:
+    winners = [{"op": "gemm", "problem": {"M": 16, "N": 32, "K": 64, "dtype": dt, "trans_a": False, "trans_b": True},
+                "impl": impl, "params": params, "kernel_version": get_impl("gemm", impl).version, "median_ms": 1.0,
+                "vendor_impl": "torch_matmul", "vendor_ms": 2.0, "speedup": 2.0} for dt in ("fp32", "bf16")]
+    path.write_text(json.dumps({"format": _table.FORMAT, "format_version": _table.FORMAT_VERSION, "device_class": "cpu",
+                                "fingerprint": {}, "winners": winners, "checksum": _table.checksum(winners)}))
+    return str(path)
+
+
+@pytest.mark.parametrize("table", ["empty", "vendor"])
+def test_linear_with_bias_is_one_addmm_when_the_vendor_runs(tmp_path, table):
+    """The vendor choice runs F.linear itself: one addmm, the bias rounded once (bf16 bit for bit)."""
+    ops_adv.load_table("" if table == "empty" else _gemm_table(tmp_path / "t.json", "torch_matmul", {}))
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 64, generator=g).bfloat16()
+        w, b = torch.randn(32, 64, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
+        with torch.no_grad():
+            ops_adv.linear(x, w, b)  # resolves the problem
+            with _AtenCalls() as calls:
+                y = ops_adv.linear(x, w, b)
+        assert calls.ops == ["t", "addmm"]  # F.linear's own decomposition, nothing else
+        assert torch.equal(y, F.linear(x, w, b))
+        x3 = torch.randn(2, 3, 64, generator=g).bfloat16()  # 3-D x and 1 row
+        for xx in (x3, x3[0, :1]):
+            assert torch.equal(ops_adv.linear(xx, w, b), F.linear(xx, w, b))
+        xg = x.float().requires_grad_()  # autograd: torch's own graph
+        assert torch.equal(ops_adv.linear(xg, w.float(), b.float()), F.linear(xg, w.float(), b.float()))
+        assert ops_adv.linear(xg, w.float(), b.float()).grad_fn.name() == "AddmmBackward0"
+    finally:
+        ops_adv.load_table("")
+
+
+def test_linear_runs_a_tuned_gemm_kernel_then_the_bias(tmp_path):
+    ops_adv.load_table(_gemm_table(tmp_path / "t.json", "cpu_blocked", {"block_m": 32, "block_n": 32, "block_k": 0}))
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, w, b = torch.randn(2, 8, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
+        with torch.no_grad(), ops_adv.profiler.ProfileContext() as prof:
+            y = ops_adv.linear(x, w, b)
+        assert [(c["op"], c["impl"], c["source"]) for c in prof.calls] == [("gemm", "cpu_blocked", "tuned")]
+        torch.testing.assert_close(y, F.linear(x, w, b))
+        torch.testing.assert_close(ops_adv.linear(x[0], w, b), F.linear(x[0], w, b))
+        torch.testing.assert_close(ops_adv.linear(x[0, 0], w, None), F.linear(x[0, 0], w))  # 1-D x
+        torch.testing.assert_close(ops_adv.linear(x.transpose(0, 1), w, b), F.linear(x.transpose(0, 1), w, b))
+    finally:
+        ops_adv.load_table("")
+
+
+def test_linear_vendor_calls_are_profiled_and_counted_as_misses():
+    ops_adv.load_table("")
+    x, w, b = torch.randn(5, 24), torch.randn(12, 24), torch.randn(12)
+    key = ("gemm", (5, 12, 24, "fp32", False, True))
+    before = ops_adv.misses().get(key, 0)
+    with torch.no_grad(), ops_adv.profiler.ProfileContext() as prof:
+        ops_adv.linear(x, w, b)
+    assert [(c["op"], c["impl"], c["source"]) for c in prof.calls] == [("gemm", "torch_matmul", "default")]
+    with torch.no_grad():
+        for _ in range(3):
+            ops_adv.linear(x, w, b)
+    assert ops_adv.misses()[key] == before + 4

@@ -14,7 +14,8 @@ _gemm_cache = cache_for("gemm")
 
 def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul(a, b); 2-D fp16/bf16/fp32 products run the tuned kernel."""
-    if a.dim() != 2 or b.dim() != 2 or a.dtype is not b.dtype or a.dtype not in DTYPE_CODE or _autocast() or _functorch():
+    dt, sa, sb = a.dtype, a.shape, b.shape
+    if len(sa) != 2 or len(sb) != 2 or b.dtype is not dt or dt not in DTYPE_CODE or _autocast() or _functorch():
         return torch.matmul(a, b)
     if _is_compiling() or _tracing_state() is not None:
         return torch.ops.ops_adv.gemm(a, b)
@@ -23,7 +24,32 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                 or not _op_needed("gemm", a, b):
             return torch.matmul(a, b)
         return torch.ops.ops_adv.gemm(a, b)
-    return _gemm(a, b)
+    # _gemm, inlined: this is the hot path
+    M, K = sa
+    K2, N = sb
+    dev = a.device
+    if K != K2 or not (M and N and K) or b.device != dev:
+        return torch.matmul(a, b)  # torch's error, or its empty/zero result
+    key = ((M, N, K, DTYPE_CODE[dt], _trans(a), _trans(b)), dev)
+    fn = _gemm_cache.get(key)
+    if fn is None:
+        fn = lookup("gemm", *key)
+    return fn(a, b)
+
+
+def _trans(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand is stored transposed (column-major), as the kernels read it: a row-major
+    column slice (row stride > columns) is not, whatever is_contiguous says."""
+    if t.is_contiguous():
+        return False
+    st = t.stride()
+    return st[0] == 1 and st[1] != 1
+
+
+def problem(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """The gemm problem of a @ b as dispatch keys it (M, N, K, dtype, trans_a, trans_b)."""
+    M, K = a.shape
+    return (M, b.shape[1], K, DTYPE_CODE[a.dtype], _trans(a), _trans(b))
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -31,7 +57,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     K2, N = b.shape
     if K != K2 or not (M and N and K) or a.device != b.device:
         return torch.matmul(a, b)  # torch's error, or its empty/zero result
-    key = ((M, N, K, DTYPE_CODE[a.dtype], not a.is_contiguous(), not b.is_contiguous()), a.device)
+    key = ((M, N, K, DTYPE_CODE[a.dtype], _trans(a), _trans(b)), a.device)
     fn = _gemm_cache.get(key)
     if fn is None:
         fn = lookup("gemm", *key)
@@ -61,4 +87,4 @@ def _backward(ctx, g):
 
 
 define("gemm", _gemm_op, _fake, setup=_setup, backward=_backward)
-register_function("gemm", gemm)
+register_function("gemm", gemm, signature=problem)

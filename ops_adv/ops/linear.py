@@ -1,7 +1,8 @@
 """linear: activation(F.linear(x, weight, bias)); `ops_adv::linear`.
 
 Without an activation, `linear` runs the gemm op (x @ weight.T through the gemm table, whose
-winners, CPU variants included, serve nn.Linear), then the bias. With one, `linear_fused` runs
+winners, CPU variants included, serve nn.Linear), then the bias; where the gemm choice is the
+vendor kernel, F.linear itself (one addmm, so a bf16 result rounds once, as torch's). With one, `linear_fused` runs
 the `linear` table, whose kernels add the bias and apply the activation in the gemm's epilogue.
 
 `linear_fused` follows the other ops: calls ops-adv has no kernel for (1-D x, mixed dtypes,
@@ -12,6 +13,7 @@ path, or the `ops_adv::linear` custom operator under tracing or when an input ne
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +21,15 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 from kernel_space.linear import ACTIVATIONS, activate
 
+from kernel_space import get_impl
+
+from .. import _dispatch
 from .._dispatch import _OP_FUNCS, cache_for, lookup, register_function
-from .._op import _autocast, _functorch, _fresh, _traced, define
+from .._op import _autocast, _fresh, _functorch, _grad_enabled, _is_compiling, _traced, _tracing_state, define
 
 _linear_cache = cache_for("linear")
+# (M, N, K, dtype, device) -> the call a contiguous x and weight run without an activation; emptied with the others
+_fast_cache = cache_for("linear.gemm")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -30,21 +37,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """activation(F.linear(x, weight, bias)).
 
     Without an activation: x (..., in) @ weight.T through the gemm table (a trans_b problem, so
-    the gemm winners, CPU variants included, serve nn.Linear), then the bias. With one ("relu",
-    "gelu", "gelu_tanh", "silu"): the `linear` table, whose kernels add the bias and apply the
-    activation in the gemm's epilogue.
+    the gemm winners, CPU variants included, serve nn.Linear); where the gemm table's choice is the
+    vendor kernel, F.linear itself runs (one addmm with the bias, rounded once as torch's). With one
+    ("relu", "gelu", "gelu_tanh", "silu"): the `linear` table, whose kernels add the bias and apply
+    the activation in the gemm's epilogue.
     """
     if activation is not None and activation != "none":
         return linear_fused(x, weight, bias, activation)
-    if x.dim() < 1 or weight.dim() != 2 or x.dtype is not weight.dtype or x.dtype not in DTYPE_CODE \
-            or (bias is not None and (bias.dtype is not x.dtype or bias.dim() != 1)) or x.shape[-1] != weight.shape[1] \
-            or x.numel() == 0 or _autocast() or _functorch():
+    dt = x.dtype
+    if weight.dtype is not dt or dt not in DTYPE_CODE or weight.dim() != 2 or x.dim() < 1 or _autocast() \
+            or _functorch() or (bias is not None and (bias.dtype is not dt or bias.dim() != 1)):
         return F.linear(x, weight, bias)
-    lead = x.shape[:-1]
-    y = _OP_FUNCS["gemm"](x.reshape(-1, x.shape[-1]), weight.t())  # ops_adv.gemm
+    K = x.shape[-1]
+    if K != weight.shape[1] or not x.numel():
+        return F.linear(x, weight, bias)
+    if _is_compiling() or _tracing_state() is not None:
+        return _via_gemm(x, weight, bias)  # the gemm operator: the graph never depends on the table
+    if _grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return F.linear(x, weight, bias) if _vendor(x, weight) else _via_gemm(x, weight, bias)
+    if x.is_contiguous() and weight.is_contiguous():  # nn.Linear: one dict hit, then the chosen call
+        key = (x.numel() // K, weight.shape[0], K, DTYPE_CODE[dt], x.device)
+        fn = _fast_cache.get(key)
+        if fn is None:
+            fn = _resolve_fast(x, weight, key)
+        return fn(x, weight, bias)
+    return F.linear(x, weight, bias) if _vendor(x, weight) else _via_gemm(x, weight, bias)
+
+
+def _via_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """ops_adv.gemm(x (M, K), weight.T), then the bias."""
+    y = _OP_FUNCS["gemm"](x.reshape(-1, x.shape[-1]), weight.t())
     if bias is not None:
         y = y + bias
-    return y.reshape(*lead, weight.shape[0])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _gemm_problem(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return _dispatch.signature_of("gemm")(x.reshape(-1, x.shape[-1]), weight.t())
+
+
+def _vendor(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gemm table's choice for x @ weight.T is the vendor kernel (then F.linear is that call)."""
+    if x.device != weight.device:
+        return True  # torch's error
+    impl, _params, _source = _dispatch.decided("gemm", _gemm_problem(x, weight), x.device)
+    return get_impl("gemm", impl).vendor
+
+
+def _resolve_fast(x: torch.Tensor, weight: torch.Tensor, key: tuple) -> Callable[..., torch.Tensor]:
+    """What a contiguous x and weight of this key run: F.linear where the gemm choice is the vendor kernel
+    (counted and wrapped as that kernel would be), else the chosen gemm kernel, then the bias."""
+    M, N, K, _dt, dev = key
+    if weight.device != dev:
+        return F.linear  # torch's error
+    problem = _gemm_problem(x, weight)
+    impl, _params, _source = _dispatch.decided("gemm", problem, dev)
+    if get_impl("gemm", impl).vendor:
+        fn = _dispatch.stand_in("gemm", problem, dev, F.linear)
+    else:
+        gemm_fn = lookup("gemm", problem, dev)
+
+        def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            y = gemm_fn(x.view(M, K), weight.t())
+            if bias is not None:
+                y = y + bias
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
+
+    _fast_cache[key] = fn
+    return fn
 
 
 def linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from kernel_space._common import DTYPE_CODE
 
-from .._dispatch import lookup, register_function
+from .._dispatch import cache_for, lookup, register_function
 from .._op import _fresh, _last_dim, _is_compiling, _op_needed, _rms_grads, _rows_ok, _traced, _tracing_state, define
+
+_rms_cache = cache_for("rms_norm")
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: Any = None, weight: torch.Tensor | None = None,
@@ -31,7 +33,15 @@ def rms_norm(x: torch.Tensor, normalized_shape: Any = None, weight: torch.Tensor
         if not _is_compiling() and _tracing_state() is None and (not x.numel() or not _op_needed("rms_norm", x, weight)):
             return F.rms_norm(x, x.shape[-1:], weight, eps)
         return torch.ops.ops_adv.rms_norm(x, weight, float(eps))
-    return _rms_norm(x, weight, float(eps))
+    cols = x.shape[-1]  # _rms_norm, inlined: this is the hot path
+    rows = x.numel() // cols if cols else 0
+    if not rows:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    key = ((rows, cols, DTYPE_CODE[x.dtype]), x.device)
+    fn = _rms_cache.get(key)
+    if fn is None:
+        fn = lookup("rms_norm", *key)
+    return fn(x, weight, float(eps))
 
 
 def _kernel_args(x, normalized_shape=None, weight=None, eps=None):

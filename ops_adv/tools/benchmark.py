@@ -32,7 +32,7 @@ def benchmark(op: str, *args: Any, reps: int = 20, **kwargs: Any) -> BenchmarkRe
     if mapped is None:
         raise OpsAdvError(f"benchmark: no {op} kernel covers this call (ops_adv.{op} runs torch's own function for it)")
     tensors, attrs = mapped
-    problem_t = spec.signature(*tensors, **attrs)
+    problem_t = _dispatch.signature_of(op)(*tensors, **attrs)
     problem = spec.problem._make(problem_t)
     dev = tensors[0].device
     backend = backend_of(dev)
