@@ -21,7 +21,7 @@ helpers); a job that fails or kills its process is a row with its error and the 
   CUDA only (on the CPU compile-ro compiles without them).
 - generate: model.generate(cache_implementation="static", max_new_tokens=--new-tokens, do_sample=False)
   from a --prompt-token prompt at --gen-batches, with an all-ones mask and with left padding (row i has
-  (16 + 37 i) % (prompt / 2) pad tokens): original, converted, and each with transformers' own compile of the
+  1 + (15 + 37 i) % (prompt / 2 - 1) pad tokens: 16, 53, 90, ... of 512): original, converted, and each with transformers' own compile of the
   forward (generation_config.compile_config, default: CompileConfig(), mode reduce-overhead; without it
   disable_compile=True). tokens/s = B x new tokens / generate's time; ms/step = (time of new tokens -
   time of 1 token) / (new tokens - 1). Greedy agreement: tokens equal to the original's at the same
@@ -178,7 +178,7 @@ def job_layer(job: dict, args: Any, progress: Any) -> dict:
 def left_pad_mask(B: int, S: int, dev: torch.device) -> torch.Tensor:
     mask = torch.ones(B, S, dtype=torch.long, device=dev)
     for i in range(B):
-        mask[i, :(16 + 37 * i) % max(1, S // 2)] = 0
+        mask[i, :1 + (15 + 37 * i) % max(1, S // 2 - 1)] = 0  # 1 to S/2 - 1 pad tokens, different per row
     return mask
 
 
