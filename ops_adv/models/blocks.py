@@ -12,6 +12,7 @@ variables (`super()`), is left as it is, with the reason in `explain_model`.
 from __future__ import annotations
 
 import ast
+import json
 import inspect
 import textwrap
 import types
@@ -49,9 +50,13 @@ def _name(node: ast.AST) -> str | None:
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, module: nn.Module, rms_ok: Callable[[nn.Module], bool]):
-        self.module, self.rms_ok = module, rms_ok
+    """`norm_ok(name)` / `silu_ok(name)`: whether `self.<name>` is an RMS norm / a SiLU (checked on the
+    instance, or read from the names a pickled forward was built with)."""
+
+    def __init__(self, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool]):
+        self.norm_ok, self.silu_ok = norm_ok, silu_ok
         self.done: list[str] = []
+        self.names: set[str] = set()
 
     def _fuse_add_norm(self, body: list[ast.stmt]) -> list[ast.stmt]:
         out, i = [], 0
@@ -65,7 +70,7 @@ class _Rewriter(ast.NodeTransformer):
                 if (h and r and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add)
                         and {_name(add.left), _name(add.right)} == {h, r} and _name(b.value) == h
                         and _name(c.targets[0]) == h and norm and len(c.value.args) == 1 and not c.value.keywords
-                        and _name(c.value.args[0]) == h and self.rms_ok(getattr(self.module, norm, None))):
+                        and _name(c.value.args[0]) == h and self.norm_ok(norm)):
                     call = ast.Call(func=ast.Name("__ops_adv_add_rms_norm", ast.Load()),
                                     args=[ast.Name(h, ast.Load()), ast.Name(r, ast.Load()),
                                           ast.Attribute(ast.Name("self", ast.Load()), norm, ast.Load())], keywords=[])
@@ -73,6 +78,7 @@ class _Rewriter(ast.NodeTransformer):
                         targets=[ast.Tuple([ast.Name(h, ast.Store()), ast.Name(r, ast.Store())], ast.Store())],
                         value=call), a))
                     self.done.append(f"residual add + {norm} -> add_rms_norm")
+                    self.names.add(norm)
                     i += 3
                     continue
             out.append(body[i])
@@ -92,8 +98,9 @@ class _Rewriter(ast.NodeTransformer):
         if isinstance(node.op, ast.Mult) and isinstance(node.left, ast.Call) and len(node.left.args) == 1 \
                 and not node.left.keywords:
             act = _self_attr(node.left.func)
-            if act and _is_silu(getattr(self.module, act, None)):
+            if act and self.silu_ok(act):
                 self.done.append(f"{act}(gate) * up -> swiglu")
+                self.names.add(act)
                 return ast.copy_location(ast.Call(func=ast.Name("__ops_adv_swiglu", ast.Load()),
                                                   args=[node.left.args[0], node.right], keywords=[]), node)
         return node
@@ -123,8 +130,15 @@ def _rope_matches(fn: Any) -> bool:
 
 
 def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[Callable | None, list[str], str]:
-    """A forward for `m` with the fused ops in, what was fused, and why not when nothing was."""
-    cls = type(m)
+    """A forward for `m` with the fused ops in, what was fused, and why not when nothing was.
+
+    The function is the same object for every instance of a class whose modules pass the same checks,
+    and pickle finds it by name (`_fused`), so a model holding it pickles and loads in another process."""
+    return _rewrite(type(m), lambda name: rms_ok(getattr(m, name, None)), lambda name: _is_silu(getattr(m, name, None)))
+
+
+def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool],
+             want: set[str] | None = None) -> tuple[Callable | None, list[str], str]:
     fn = inspect.unwrap(cls.forward)
     if not isinstance(fn, types.FunctionType):
         return None, [], "forward is not a Python function"
@@ -139,13 +153,17 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
     if not isinstance(fdef, ast.FunctionDef):
         return None, [], "forward is not a plain function"
     fdef.decorator_list = []
-    rw = _Rewriter(m, rms_ok)
+    rw = _Rewriter(norm_ok, silu_ok)
     rw.visit(fdef)
     done = rw.done
     if any("rope" in d for d in done) and not _rope_matches(fn.__globals__.get("apply_rotary_pos_emb")):
         return None, [], "apply_rotary_pos_emb here is not transformers' rotate-half formula: left as is"
     if not done:
         return None, [], "no residual-add + RMS norm, SiLU gate or rotary embedding in forward"
+    token = "f_" + json.dumps([cls.__module__, cls.__qualname__, sorted(rw.names)]).encode().hex()
+    new = _BY_NAME.get(token)
+    if new is not None:
+        return new, done, ""
     from ..ops.add_rms_norm import add_rms_norm
     from ..ops.swiglu import swiglu
 
@@ -153,7 +171,8 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
         eps = norm.__dict__.get("_ops_adv_eps")
         if eps is None:  # looked up once: a missing attribute costs ~2 µs through nn.Module.__getattr__
             eps = norm.__dict__["_ops_adv_eps"] = float(getattr(norm, _eps_name(norm)))
-        return add_rms_norm(h, residual, norm._parameters["weight"], eps)
+        w = norm._parameters.get("weight")
+        return add_rms_norm(h, residual, norm.weight if w is None else w, eps)
 
     # The rewritten forward's globals are a real module in sys.modules: Dynamo (torch 2.11) reaches an
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
@@ -168,8 +187,39 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
     exec(code, glb, ns)
     new = ns[fdef.name]
     new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
-    new.__qualname__ = fn.__qualname__
+    # pickle finds the function as ops_adv.models.blocks._fused.<token> (rebuilt there in a new process)
+    new.__module__, new.__qualname__ = __name__, "_fused." + token
+    new._ops_adv_fused = True
+    _BY_NAME[token] = new
     return new, done, ""
+
+
+_BY_NAME: dict[str, Callable] = {}
+
+
+class _Fused:
+    """Rewritten forwards by name, for pickle: a name unknown in this process is rebuilt from the class
+    and the module names it was fused with."""
+
+    def __getattr__(self, token: str) -> Callable:
+        fn = _BY_NAME.get(token)
+        if fn is not None:
+            return fn
+        if not token.startswith("f_"):
+            raise AttributeError(token)
+        import importlib
+
+        mod, qualname, names = json.loads(bytes.fromhex(token[2:]))
+        cls: Any = importlib.import_module(mod)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        fn, _, why = _rewrite(cls, lambda n: n in names, lambda n: n in names)
+        if fn is None or _BY_NAME.get(token) is not fn:
+            raise AttributeError(f"cannot rebuild ops_adv's fused forward of {qualname}: {why or 'its source changed'}")
+        return fn
+
+
+_fused = _Fused()
 
 
 def _eps_name(m: nn.Module) -> str:

@@ -9,7 +9,7 @@ mode (which runs the module's own forward) are as before. The op itself is
 """
 from __future__ import annotations
 
-import types
+import functools
 from typing import Any
 
 import torch
@@ -96,14 +96,37 @@ _fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) 
 
 
 def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """An owner's forward after fusion: the fused graph in eval mode; its class's forward in train mode
-    (BatchNorm then uses batch statistics) and while torch.fx traces the model."""
-    pairs = self.__dict__["_ops_adv_fused_pairs"]
-    if self.training or _fx_tracing() or any(m.training for pair in pairs for m in pair):
-        for conv, _ in pairs:  # batch norm in train mode updates its statistics without a version bump
+    """An owner's forward after fusion: the fused graph where it computes what the class's forward does
+    and nothing observes the modules it skips; else its class's forward (decided per call)."""
+    if _fused_ok(self):
+        return self.__dict__["_ops_adv_fused_graph"](*args, **kwargs)
+    for conv, bn in self.__dict__["_ops_adv_fused_pairs"]:
+        if bn.training:  # batch norm in train mode updates its statistics without a version bump
             conv.__dict__.pop("_ops_adv_folded", None)
-        return type(self).forward(self, *args, **kwargs)
-    return self.__dict__["_ops_adv_fused_graph"](*args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
+_hooks = torch.nn.modules.module
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _fused_ok(owner: nn.Module) -> bool:
+    """Eval mode everywhere, no parameter of a site that autograd must reach, no hook on a module the
+    fused graph skips, not under torch.fx or jit tracing (jit.trace's check retraces)."""
+    if owner.training or _fx_tracing() or torch._C._get_tracing_state() is not None \
+            or _hooks._global_forward_hooks or _hooks._global_forward_pre_hooks:
+        return False
+    grad = torch.is_grad_enabled()
+    for m in owner.__dict__["_ops_adv_fused_mods"]:
+        if m.training or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+        if grad:
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad:
+                    return False
+        if "weight" not in m._parameters and isinstance(m, (nn.Conv2d, nn.BatchNorm2d)):
+            return False  # parametrized (or pruned): the module computes its weight
+    return True
 
 
 class _OneLevel(torch.fx.Tracer):
@@ -134,7 +157,7 @@ def _site(name: str, why: str, fused: bool) -> dict[str, str]:
 
 
 def _conv_refusal(conv: nn.Module) -> str | None:
-    if type(conv).forward is not nn.Conv2d.forward and not getattr(type(conv), "_ops_adv_converted", False):
+    if type(conv).forward is not nn.Conv2d.forward or "forward" in conv.__dict__ and not _converted(conv):
         return f"{type(conv).__name__} overrides Conv2d.forward"
     if conv.groups != 1:
         return f"groups={conv.groups}: conv2d_bn_relu covers groups 1"
@@ -147,8 +170,14 @@ def _conv_refusal(conv: nn.Module) -> str | None:
     return None
 
 
+def _converted(m: nn.Module) -> bool:
+    from .convert import converted
+
+    return converted(m)
+
+
 def _bn_refusal(bn: nn.Module, conv: nn.Conv2d) -> str | None:
-    if type(bn).forward is not nn.BatchNorm2d.forward:
+    if type(bn).forward is not nn.BatchNorm2d.forward or "forward" in bn.__dict__ and not _converted(bn):
         return f"{type(bn).__name__} overrides BatchNorm2d.forward"
     if bn.training:
         return "the BatchNorm is in training mode (batch statistics): call model.eval() first"
@@ -203,6 +232,7 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
             calls[n.target] = calls.get(n.target, 0) + 1
     out, changed = [], False
     sites: dict[str, ConvBNReLU] = {}
+    relus: list[nn.Module] = []
     for n in list(graph.nodes):
         bn = modules.get(n.target) if n.op == "call_module" else None
         src = n.args[0] if n.args else None
@@ -237,6 +267,8 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
         n.replace_all_uses_with(src)
         graph.erase_node(n)
         if relu is not None:
+            if relu.op == "call_module":
+                relus.append(modules[relu.target])
             relu.replace_all_uses_with(src)
             graph.erase_node(relu)
         changed = True
@@ -252,5 +284,6 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
         gm = torch.fx.GraphModule(root, graph, class_name=type(owner).__name__ + "Fused")
         owner.__dict__["_ops_adv_fused_graph"] = gm
         owner.__dict__["_ops_adv_fused_pairs"] = [(site.conv, site.bn) for site in sites.values()]
-        owner.forward = types.MethodType(_fused_forward, owner)
+        owner.__dict__["_ops_adv_fused_mods"] = [m for site in sites.values() for m in (site.conv, site.bn)] + relus
+        owner.forward = functools.partial(_fused_forward, owner)  # pickles, unlike a bound method
     return out

@@ -3,14 +3,16 @@
 Modules are recognised by what they are and do, not by family name: `nn.Linear`,
 `nn.LayerNorm`, `nn.RMSNorm`, `nn.Conv2d`, and any module shaped like an RMS norm (one
 weight vector, an epsilon, no children) whose output matches the RMS-norm formula on a probe.
-A converted module keeps its class (a subclass is swapped in), its parameters, buffers and
-state_dict keys; its forward calls the op, which runs torch's own function for any call
-ops-adv has no kernel for. Hugging Face models also get ops-adv attention through
+A converted module keeps its exact type, its parameters, buffers and state_dict keys (its forward
+is replaced on the instance, so libraries matching exact types, pickling, hooks and
+parametrizations see the module they know); its forward calls the op, which runs torch's own
+function for any call ops-adv has no kernel for. Hugging Face models also get ops-adv attention through
 transformers' AttentionInterface when transformers is importable.
 """
 from __future__ import annotations
 
-import types
+import functools
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -22,39 +24,91 @@ from ..ops.linear import linear
 from ..ops.rms_norm import rms_norm
 from . import blocks, conv_bn, hf
 
-_SUBCLASSES: dict[type, type] = {}
+
+# A converted module keeps its exact type (libraries such as quantize_dynamic match exact types): its
+# forward is replaced on the instance by functools.partial(<forward below>, module), which pickles,
+# deep-copies and compiles as the module does.
 
 
-# Parameters are read from `_parameters`: through nn.Module.__getattr__ each name costs ~0.3 µs a call.
+def _weight(self: nn.Module) -> torch.Tensor:
+    """The module's weight as its own forward would read it: through the attribute when a parametrization,
+    pruning, weight_norm or spectral_norm computes it; else straight from `_parameters` (~0.3 µs saved
+    a name: nn.Module.__getattr__ is slow)."""
+    w = self._parameters.get("weight")
+    return self.weight if w is None else w
+
+
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     p = self._parameters
-    return linear(x, p["weight"], p["bias"])
+    w, b = p.get("weight"), p.get("bias")
+    if w is None or "bias" not in p:  # parametrized, pruned or re-normed: read what the module computes
+        w, b = self.weight, self.bias
+    return linear(x, w, b)
 
 
 def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     p = self._parameters
-    if len(self.normalized_shape) != 1 or p["weight"] is None:
-        return super(type(self), self).forward(x)
-    return layer_norm(x, p["weight"], p["bias"], self.eps)
+    w, b = p.get("weight"), p.get("bias")
+    if w is None or "bias" not in p:
+        w, b = self.weight, self.bias
+    if len(self.normalized_shape) != 1 or w is None:
+        return type(self).forward(self, x)
+    return layer_norm(x, w, b, self.eps)
 
 
 def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    w = _weight(self)
+    if len(self.normalized_shape) != 1 or w is None:
+        return type(self).forward(self, x)
+    return rms_norm(x, w, self.eps)
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's projections): weight (in, out), forward x @ weight + bias."""
+    cls = type(m)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and hasattr(m, "nf") \
+        and isinstance(m._parameters.get("weight"), torch.Tensor) and m._parameters["weight"].dim() == 2
+
+
+def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
     p = self._parameters
-    if len(self.normalized_shape) != 1 or p["weight"] is None:
-        return super(type(self), self).forward(x)
-    return rms_norm(x, p["weight"], self.eps)
+    w, b = p.get("weight"), p.get("bias")
+    if w is None or "bias" not in p:
+        w, b = self.weight, self.bias
+    return linear(x, w.t(), b)  # weight.t().t() is the stored (in, out) matrix: a plain gemm
+
+
+_global_hooks = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks)
+
+
+def _fold_now(conv: nn.Module, bn: nn.Module) -> bool:
+    """Whether conv -> bn may run as one conv with folded weights in this call: both in eval mode, no
+    parameter on the path that autograd must reach, no hook that would see the folded tensors, not
+    under jit.trace (whose check retraces and must take the same path). Decided per call, cheaply."""
+    if conv.training or bn.training or conv._forward_hooks or bn._forward_hooks or bn._forward_pre_hooks \
+            or conv._backward_hooks or bn._backward_hooks or bn._backward_pre_hooks or _global_hooks[0] \
+            or _global_hooks[1] or torch._C._get_tracing_state() is not None:
+        return False
+    if torch.is_grad_enabled():
+        for t in (conv._parameters.values(), bn._parameters.values()):
+            for p in t:
+                if p is not None and p.requires_grad:
+                    return False
+    return "weight" in conv._parameters  # a parametrized conv computes its weight: not folded
 
 
 def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    w = _weight(self)
     if self.padding_mode != "zeros" or isinstance(self.padding, str):
-        return super(type(self), self).forward(x)
+        return type(self).forward(self, x)
     bn = self.__dict__.get("_ops_adv_bn")
-    if bn is not None and not self.training and not bn.training:
-        w, b = _folded(self, bn)
-        return conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
-    if bn is not None:  # batch norm in train mode updates its statistics without a version bump: fold again later
-        self.__dict__.pop("_ops_adv_folded", None)
-    return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+    if bn is not None:
+        if _fold_now(self, bn):
+            w, b = _folded(self, bn)
+            return conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+        if bn.training:  # batch norm in train mode updates its statistics without a version bump: fold again later
+            self.__dict__.pop("_ops_adv_folded", None)
+    return conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,16 +117,16 @@ def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Te
 
 def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
     conv = self.__dict__.get("_ops_adv_conv")
-    if conv is not None and not self.training and not conv.training:
-        return x  # folded into the conv before it
-    return super(type(self), self).forward(x)
+    if conv is not None and _fold_now(conv, self):
+        return x  # folded into the conv before it (the same decision, on the same state)
+    return type(self).forward(self, x)
 
 
 def _library_rms_forward(self, x: torch.Tensor) -> torch.Tensor:
     # The library's own forward (fp32 statistics, then its casts) where dtypes differ.
-    w = self._parameters["weight"]
+    w = _weight(self)
     if x.dtype is not w.dtype:
-        return super(type(self), self).forward(x)
+        return type(self).forward(self, x)
     name = _EPS_NAMES.get(type(self))
     if name is None:  # a missing name costs ~1.5 µs through nn.Module.__getattr__: found once per class
         name = _EPS_NAMES[type(self)] = _eps_attr(self)
@@ -98,14 +152,26 @@ def _eps_attr(m: nn.Module) -> str:
     return ""
 
 
+_OURS = {_conv1d_forward, _linear_forward, _layer_norm_forward, _rms_norm_forward, _conv2d_forward, _bn_forward, _library_rms_forward}
+
+
 def _swap(m: nn.Module, forward) -> None:
-    """Give `m` a subclass of its class whose forward is `forward` (isinstance and state_dict unchanged)."""
-    cls = type(m)
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "_ops_adv_converted": True,
-                                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    m.__class__ = sub
+    """Run `m` through `forward` (type, isinstance, parameters and state_dict unchanged)."""
+    m.forward = functools.partial(forward, m)
+    m.__dict__["__prepare_scriptable__"] = functools.partial(_not_scriptable, m)
+
+
+def converted(m: nn.Module) -> bool:
+    """Whether convert_model gave `m` one of ops_adv's forwards."""
+    f = m.__dict__.get("forward")
+    return isinstance(f, functools.partial) and (f.func in _OURS or getattr(f.func, "_ops_adv_fused", False))
+
+
+def _not_scriptable(m: nn.Module) -> nn.Module:
+    # torch.jit.script calls __prepare_scriptable__ on each module before compiling it.
+    raise RuntimeError(f"torch.jit.script cannot compile a converted {type(m).__name__} (its forward runs ops_adv in "
+                       "Python): script the model before ops_adv.convert_model, or use torch.jit.trace, torch.compile "
+                       "or torch.export on the converted model")
 
 
 def _looks_like_rms_norm(m: nn.Module) -> str | None:
@@ -117,8 +183,10 @@ def _looks_like_rms_norm(m: nn.Module) -> str | None:
     if not eps:
         return "no float eps attribute"
     w = params["weight"]
-    if not w.dtype.is_floating_point or w.device.type == "meta":
-        return "weight is not a floating-point tensor on a device"
+    if w.device.type == "meta":
+        return "weights are on the meta device: an RMS norm cannot be told apart without running it; convert after loading"
+    if not w.dtype.is_floating_point:
+        return "weight is not a floating-point tensor"
     g = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.randn(3, w.shape[0], generator=g) * 0.01).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
@@ -152,11 +220,16 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
     `ops_adv.explain_model(model)` describing what was and was not converted.
     """
     report: list[dict[str, str]] = []
+    meta: list[str] = []
     for name, m in _walk(model):
-        if getattr(type(m), "_ops_adv_converted", False):
+        if converted(m):
             report.append({"module": name, "type": type(m).__name__, "converted": "yes", "why": "already converted"})
             continue
         forward = next((f for cls, f in _FORWARDS.items() if type(m) is cls), None)
+        if forward is not None and "forward" in m.__dict__:
+            report.append({"module": name, "type": type(m).__name__, "converted": "no",
+                           "why": "its forward is already replaced on the instance (a hook library's wrapper?): left as is"})
+            continue
         if forward is not None:
             _swap(m, forward)
             report.append({"module": name, "type": type(m).__name__, "converted": "yes", "why": f"{type(m).__name__} runs ops_adv"})
@@ -167,7 +240,18 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
             continue
         if type(m).__module__.startswith("torch.nn"):
             continue  # torch's own modules are matched by type above
-        if "norm" in type(m).__name__.lower() or _eps_attr(m) and not list(m.children()):
+        if _is_conv1d(m):
+            if "forward" in m.__dict__:
+                report.append({"module": name, "type": "Conv1D", "converted": "no",
+                               "why": "its forward is already replaced on the instance: left as is"})
+            else:
+                _swap(m, _conv1d_forward)
+                report.append({"module": name, "type": "Conv1D", "converted": "yes",
+                               "why": "transformers' Conv1D (x @ weight + bias) runs ops_adv's linear"})
+            continue
+        if list(m.children()):
+            continue  # a container (Conv2dNormActivation, a decoder block): its layers are reported themselves
+        if "norm" in type(m).__name__.lower() or _eps_attr(m):
             why = _looks_like_rms_norm(m)
             if why is None:
                 _swap(m, _library_rms_forward)
@@ -175,6 +259,12 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
                                "why": "behaves as an RMS norm (structure and probe)"})
             else:
                 report.append({"module": name, "type": type(m).__name__, "converted": "no", "why": why})
+                if why.startswith("weights are on the meta device"):
+                    meta.append(name)
+    if meta:
+        warnings.warn(f"ops_adv.convert_model: {len(meta)} norm module(s) ({meta[0]}, ...) have their weights on the meta "
+                      "device and cannot be probed, so they (and the fused add + RMS norm) keep their own forward: "
+                      "convert after the weights are loaded", stacklevel=2)
     if fuse:
         report += _fuse_blocks(model)
         report += _fuse_conv_bn_relu(model)
@@ -182,23 +272,22 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
     if attention:
         report += hf.use_attention(model)
     model._ops_adv_report = report
-    model.tune_for_hardware = types.MethodType(_tune_method, model)
+    model.tune_for_hardware = functools.partial(_tune_method, model)  # pickles, unlike a bound method
     return model
 
 
 _NO_FUSION: dict[type, str] = {}  # classes whose forward has nothing to fuse, and why
-_FUSED: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 def _fuse_blocks(model: nn.Module) -> list[dict[str, str]]:
-    """Rewrite the forward of blocks with fusable patterns (see `blocks`); the class is swapped per pattern set."""
+    """Rewrite the forward of blocks with fusable patterns (see `blocks`), on the instance: types stay."""
     def rms_ok(norm: Any) -> bool:
         return isinstance(norm, nn.Module) and (isinstance(norm, nn.RMSNorm) or _looks_like_rms_norm(norm) is None)
 
     out = []
     for name, m in list(model.named_modules()):
         cls = type(m)
-        if not list(m.children()) or cls.__module__.startswith("torch.") or getattr(cls, "_ops_adv_fused", False) \
+        if not list(m.children()) or cls.__module__.startswith("torch.") or "forward" in m.__dict__ \
                 or cls in _NO_FUSION:
             continue
         new, done, why = blocks.rewrite_forward(m, rms_ok)
@@ -206,12 +295,7 @@ def _fuse_blocks(model: nn.Module) -> list[dict[str, str]]:
             if why.startswith("no residual-add") or "not readable" in why or "not a" in why:
                 _NO_FUSION[cls] = why  # a property of the class's code, not of this instance
             continue
-        key = (cls, tuple(done))
-        sub = _FUSED.get(key)
-        if sub is None:
-            sub = _FUSED[key] = type(cls.__name__, (cls,), {"forward": new, "_ops_adv_fused": True,
-                                                             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        m.__class__ = sub
+        m.forward = functools.partial(new, m)
         out.append({"module": name, "type": cls.__name__, "converted": "yes", "why": "fused: " + "; ".join(done)})
     return out
 
@@ -246,11 +330,18 @@ def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
             continue
         src = n.args[0] if n.args else None
         conv = modules.get(getattr(src, "target", None)) if getattr(src, "op", None) == "call_module" else None
-        if not isinstance(conv, nn.Conv2d) or not getattr(type(conv), "_ops_adv_converted", False):
+        if not isinstance(conv, nn.Conv2d) or not converted(conv):
             continue
         bn = modules[n.target]
         if bn.__dict__.get("_ops_adv_fused"):
             continue  # runs in a fused conv2d_bn_relu site (see conv_bn)
+        why = conv_bn._conv_refusal(conv) or (
+            f"{type(bn).__name__} is not BatchNorm2d itself" if type(bn) is not nn.BatchNorm2d or "forward" in bn.__dict__
+            else None)
+        if why is not None:
+            out.append({"module": n.target, "type": "BatchNorm2d", "converted": "no",
+                        "why": f"not folded into {src.target}: {why}; both run as before"})
+            continue
         if len(src.users) != 1 or calls[src.target] != 1 or calls[n.target] != 1 or not bn.track_running_stats \
                 or bn.running_var is None:
             out.append({"module": n.target, "type": "BatchNorm2d", "converted": "no",
@@ -261,7 +352,8 @@ def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
         _folded(conv, bn)  # folded once now, so a compiled graph finds the fold ready
         _swap(bn, _bn_forward)
         out.append({"module": n.target, "type": "BatchNorm2d", "converted": "yes",
-                    "why": f"folded into {src.target} in eval mode (train mode runs both as before)"})
+                    "why": f"folded into {src.target} in eval mode where no parameter of the pair requires grad and "
+                           "no hook is registered (decided per call; else both run as before)"})
     return out
 
 

@@ -2,7 +2,8 @@
 
 - `use_attention(model)` registers `hf_attention_forward` as the "ops_adv" attention of a
   transformers model (convert_model calls it): decode steps run decode_attention, other calls
-  ops_adv.attention or transformers' SDPA;
+  ops_adv.attention or transformers' SDPA; calls with keywords it does not fully understand (T5's
+  position bias, soft-capping, ...) run the model's original attention implementation;
 - `llama_mlp_forward(mlp, x)`: down(swiglu(gate(x), up(x))) of a Llama-style MLP through ops_adv's
   linear and swiglu.
 transformers itself is imported only inside these functions.
@@ -66,6 +67,9 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
     except ImportError:
         pass
     before = config._attn_implementation
+    for sub in model.modules():  # the implementation each module had: calls ops_adv does not understand run it
+        if getattr(sub, "config", None) is not None and "_ops_adv_attn_original" not in sub.__dict__:
+            sub.__dict__["_ops_adv_attn_original"] = getattr(sub.config, "_attn_implementation", None) or before
     try:
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("ops_adv")
@@ -102,14 +106,70 @@ def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: tor
     return True, seq.expand(B).contiguous() if seq.shape[0] != B else seq
 
 
+# Keywords transformers passes to attention functions that change nothing in the attention itself.
+_INERT = frozenset({"position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "layer_idx",
+                    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "return_dict"})
+# Keywords ops_adv understands when absent (None, 0, False): any other value runs the original implementation.
+_ABSENT_OK = frozenset({"softcap", "s_aux", "position_bias", "head_mask", "output_attentions", "sinks"})
+
+
+def _understood(kwargs: dict, Skv: int) -> bool:
+    """Whether ops_adv computes what the model's own attention would with these extra keywords."""
+    for k, v in kwargs.items():
+        if k in _INERT or k in _ABSENT_OK and (v is None or v is False or isinstance(v, (int, float)) and v == 0):
+            continue
+        # A window at least as long as the keys changes nothing (the mask carries it where it does).
+        if k == "sliding_window" and (v is None or isinstance(v, int) and Skv <= v):
+            continue
+        return False
+    return True
+
+
+def _original_attention(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """The attention the module had before conversion: transformers' registered function, or for
+    'eager' the modeling module's own eager_attention_forward (its mask made additive, as eager expects)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = module.__dict__.get("_ops_adv_attn_original") or "sdpa"
+    fn = None if impl == "eager" or impl == "ops_adv" else ALL_ATTENTION_FUNCTIONS.get(impl)
+    if fn is None:
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+        else:
+            attention_mask = _additive_mask(module, query, key, attention_mask, is_causal)
+    if is_causal is not None:
+        kwargs = dict(kwargs, is_causal=is_causal)
+    return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _additive_mask(module, query, key, mask, is_causal):
+    """ops_adv's masks are SDPA's (boolean, or None where is_causal says it all); eager adds a float mask."""
+    Sq, Skv = query.shape[2], key.shape[2]
+    if mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        if not causal or Sq == 1:
+            return None
+        # None stands for SDPA's is_causal, which is top-left aligned (a static cache's keys start at slot 0)
+        mask = torch.ones(Sq, Skv, dtype=torch.bool, device=query.device).tril()[None, None]
+    if mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        mask = torch.where(mask, zero, torch.finfo(query.dtype).min)
+    return mask
+
+
 def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """transformers' attention contract: (B, H, S, D) in, (B, S, H, D) out, as its SDPA integration does.
 
-    A decode call (query length <= DECODE_MAX_QUERY, no dropout, no extra terms such as attention
-    sinks or soft-capping) whose cache holds more slots than its valid length, or whose K/V heads are
-    grouped, runs ops_adv's decode_attention (GQA without copying K/V, seq_lens from the mask).
+    Calls with keywords ops_adv does not fully understand (a position bias, soft-capping, attention
+    sinks, a sliding window shorter than the keys, attention weights asked for, anything unknown) run
+    the model's original implementation. A decode call (query length <= DECODE_MAX_QUERY, no dropout)
+    whose cache holds more slots than its valid length, or whose K/V heads are grouped, runs ops_adv's
+    decode_attention (GQA without copying K/V, seq_lens from the mask).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -121,8 +181,11 @@ def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if ROUTE_LOG is not None:
             ROUTE_LOG.append(route)
 
-    plain = not dropout and kwargs.get("s_aux") is None and not kwargs.get("softcap") \
-        and query.dim() == 4 and key.shape[0] == query.shape[0]
+    if kwargs and not _understood(kwargs, Skv):
+        log("original")
+        return _original_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k in _INERT}  # the absent ones say nothing
+    plain = not dropout and query.dim() == 4 and key.shape[0] == query.shape[0]
     if plain and Sq <= DECODE_MAX_QUERY and (attention_mask is not None or Hq != Hkv) and Hq % Hkv == 0:
         ok, seq_lens = _decode_seq_lens(query, key, attention_mask)
         if ok:

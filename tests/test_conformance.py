@@ -1,0 +1,230 @@
+"""A converted model is the same model (issue 19): what autograd, hooks, parametrizations, pickling,
+quantize_dynamic, torch.func, jit, compile and export see is what they see on the original.
+
+Every model is built tiny from its config (2 layers) and runs on the CPU, once with no table and once
+with a table that forces ops_adv's own CPU kernels (cpu_blocked gemm, cpu_chunked attention) for every
+problem the model meets (OPS_ADV_NEAREST large, so every shape maps)."""
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+import json
+import multiprocessing
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kernel_space
+import ops_adv
+from ops_adv.models import hf
+
+transformers = pytest.importorskip("transformers")
+torchvision = pytest.importorskip("torchvision")
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+
+
+def _hf(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                                                     n_positions=64))
+    if name == "bert":
+        return transformers.BertModel(transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                                              num_attention_heads=2, intermediate_size=64,
+                                                              max_position_embeddings=64))
+    if name == "t5":
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, decoder_start_token_id=0))
+    cfg = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config,
+           "qwen3": transformers.Qwen3Config}[name](**TINY, **({"head_dim": 8} if name == "qwen3" else {}))
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _tv(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    m = getattr(torchvision.models, name)(num_classes=10)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # running statistics that are not the identity, so a wrong fold shows
+        for bn in m.modules():
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.running_mean.uniform_(-0.3, 0.3, generator=g)
+                bn.running_var.uniform_(0.5, 1.5, generator=g)
+    return m
+
+
+CNNS = ["resnet18", "mobilenet_v3_small"]
+LMS = ["gpt2", "bert", "t5", "mistral", "llama", "phi3", "qwen3"]
+MODELS = CNNS + LMS
+
+
+def build(name: str) -> nn.Module:
+    return _tv(name) if name in CNNS else _hf(name)
+
+
+def inputs(name: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    if name in CNNS:
+        return {"x": torch.randn(2, 3, 32, 32, generator=g)}
+    ids = torch.randint(1, 128, (2, 7), generator=g)
+    if name == "t5":
+        return {"input_ids": ids, "decoder_input_ids": torch.randint(1, 128, (2, 5), generator=g)}
+    return {"input_ids": ids}
+
+
+def call(model: nn.Module, kw: dict) -> torch.Tensor:
+    if "x" in kw:
+        return model(kw["x"])
+    out = model(**kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _pair(name: str, train: bool = False, convert_in_train: bool | None = None):
+    """(original, converted) in the same mode; the converted one converted in `convert_in_train` mode."""
+    ref = build(name)
+    ref.train(train if convert_in_train is None else convert_in_train)
+    conv = ops_adv.convert_model(copy.deepcopy(ref))
+    ref.train(train), conv.train(train)
+    return ref, conv
+
+
+def close(a, b, tol=1e-4):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------------------- a table forcing ops_adv's CPU kernels
+
+
+def _forced_table(path, problems) -> int:
+    from kernel_space._device import local_device_class
+    from ops_adv import _table
+
+    winners, seen = [], set()
+    for op, p in problems:
+        impls = [i for i in kernel_space.impls(op) if not i.vendor and not i.unavailable and "cpu" in i.backends]
+        pd = p._asdict()
+        key = (op, json.dumps(pd, sort_keys=True, default=str))
+        if key in seen:
+            continue
+        seen.add(key)
+        for impl in impls:
+            cfg = next((c for c in itertools.islice(impl.configs(), 2000) if impl.why_not(p, c, "cpu") is None), None)
+            if cfg is not None:
+                winners.append({"op": op, "problem": pd, "impl": impl.name, "params": cfg, "kernel_version": impl.version,
+                                "median_ms": 1.0, "vendor_impl": "x", "vendor_ms": 2.0, "speedup": 2.0})
+                break
+    path.write_text(json.dumps({"format": _table.FORMAT, "format_version": _table.FORMAT_VERSION,
+                                "device_class": local_device_class(), "fingerprint": {}, "winners": winners,
+                                "checksum": _table.checksum(winners)}))
+    return len(winners)
+
+
+_PROBLEMS: list = []
+
+
+@pytest.fixture(scope="module")
+def all_problems():
+    """The problems every model here meets (forward in eval and train mode), recorded once."""
+    if not _PROBLEMS:
+        with ops_adv.record() as rec:
+            for name in MODELS:
+                for train in (False, True):
+                    _, conv = _pair(name, train)
+                    call(conv, inputs(name)).float().sum().backward()
+        _PROBLEMS.extend(rec.problems())
+    return _PROBLEMS
+
+
+@pytest.fixture(params=["no_table", "forced"])
+def table(request, tmp_path, monkeypatch):
+    if request.param == "no_table":
+        ops_adv.load_table("")
+        yield None
+        return
+    problems = request.getfixturevalue("all_problems")
+    n = _forced_table(tmp_path / "forced.json", problems)
+    assert n, "no CPU kernel of ops_adv's own covers a problem: the forced table would test nothing"
+    monkeypatch.setenv("OPS_ADV_NEAREST", "1000000")
+    ops_adv.load_table(str(tmp_path / "forced.json"))
+    yield n
+    ops_adv.load_table("")
+
+
+# --------------------------------------------------------------------------- 1: folding never drops gradients
+
+
+@pytest.mark.parametrize("name", CNNS)
+def test_eval_mode_cnn_converted_as_constructed_gets_every_gradient(name):
+    """Converted in train mode (as constructed), then .eval(): Conv->BN folding must not hide the convs'
+    and BNs' parameters from autograd (frozen-BN fine-tuning, Grad-CAM, adversarial training)."""
+    ref, conv = _pair(name, train=False, convert_in_train=True)
+    x = inputs(name)["x"]
+    for m in (ref, conv):
+        m(x).square().mean().backward()
+    for (n, p), q in zip(ref.named_parameters(), conv.parameters()):
+        assert q.grad is not None, n
+        close(q.grad, p.grad, 1e-4)
+    before = [p.detach().clone() for p in conv.parameters()]
+    torch.optim.SGD(conv.parameters(), lr=0.1).step()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    changed = [not torch.equal(a, p) for a, p in zip(before, conv.parameters())]
+    assert sum(changed) > len(before) // 2  # 60 of ResNet-18's 62 stayed put before the fix
+    for p, q in zip(ref.parameters(), conv.parameters()):
+        close(q.detach(), p.detach(), 1e-5)
+    # no grad wanted: the pairs fold again, and compute what the unconverted model does
+    for p in conv.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        want = copy.deepcopy(conv)
+        for m in want.modules():
+            m.__dict__.pop("forward", None)
+        close(conv(x), want(x))
+    folds = [m for m in conv.modules() if "_ops_adv_folded" in m.__dict__]
+    assert folds, "frozen parameters under no_grad: the pairs fold"
+
+
+def test_depthwise_convs_are_not_folded():
+    model = ops_adv.convert_model(_tv("mobilenet_v3_small").train())
+    rows = [r for r in ops_adv.explain_model(model) if r["type"] == "BatchNorm2d"]
+    dw = [r for r in rows if "groups=" in r["why"]]
+    assert dw and all(r["converted"] == "no" for r in dw)
+    assert any(r["converted"] == "yes" for r in rows)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d) and m.groups != 1:
+            assert "_ops_adv_bn" not in m.__dict__
+
+
+# --------------------------------------------------------------------------- 3: hooks after conversion
+
+
+@pytest.mark.parametrize("convert_in_train", [True, False], ids=["folded", "fused"])
+def test_hooks_added_after_conversion_fire_and_see_the_original_tensors(convert_in_train):
+    ref, conv = _pair("resnet18", train=False, convert_in_train=convert_in_train)
+    x = inputs("resnet18")["x"]
+    seen: dict = {"ref": {}, "conv": {}}
+    for key, model in (("ref", ref), ("conv", conv)):
+        for n, m in model.named_modules():
+            if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.ReLU)):
+                m.register_forward_hook(lambda mod, a, out, n=n, key=key: seen[key].setdefault(n, out.detach().clone()))
+        with torch.no_grad():
+            model(x)
+    assert seen["conv"].keys() == seen["ref"].keys() and len(seen["ref"]) > 40
+    for n, t in seen["ref"].items():
+        close(seen["conv"][n], t)
+
+
+def test_record_sees_a_conv_bn_relu_model_with_gradients():
+    """issue 22 item 6: record() around a converted Conv2d -> BatchNorm2d -> ReLU saw no op ({})."""
+    torch.manual_seed(0)
+    model = ops_adv.convert_model(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()).eval())
+    with ops_adv.record() as rec:
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert "conv2d" in rec.shapes()
+    with torch.no_grad(), ops_adv.record() as rec:
+        model(torch.randn(2, 3, 8, 8))
+    assert "conv2d_bn_relu" in rec.shapes()
