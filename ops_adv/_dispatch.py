@@ -21,6 +21,9 @@ _caches: dict[str, dict] = {}  # op -> {(problem tuple, device): bound callable}
 _indexes: dict[tuple[str, str], dict] = {}  # (device class, op) -> nearest-search index, built on first need
 _recording: list[dict[tuple[str, tuple], None]] = []  # open record() blocks: problems resolved while open
 _wrappers: list[Callable[..., Callable[..., Any]]] = []  # open profilers / NaN checks: wrap(op, problem, impl, source, fn)
+# Resolved problems kept at most (all ops together): past it the caches and decisions start again, so a
+# stream of new shapes costs memory no more than this (a resolution is a few µs; a hit never checks).
+MAX_PROBLEMS = 4096
 
 
 def _device_class(device) -> str:
@@ -195,6 +198,8 @@ def lookup(op: str, problem: tuple, device) -> Callable[..., Any]:
 def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
     if _tuned is None:
         load_table()
+    if len(_decisions) >= MAX_PROBLEMS:
+        forget_resolved()
     spec = get_op(op)
     dc = _device_class(device)
     backend = backend_of(device)
@@ -222,6 +227,21 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
         fn = wrap(op, p, impl.name, source, fn)
     _caches[op][(problem, device)] = fn
     return fn
+
+
+def forget_resolved() -> None:
+    """Empty the caches and decisions (they fill again as calls come)."""
+    with _lock:
+        _decisions.clear()
+        for c in _caches.values():
+            c.clear()
+
+
+def bounded(cache: dict) -> dict:
+    """`cache` (one of cache_for's), emptied first when it holds MAX_PROBLEMS entries: for callers that fill their own."""
+    if len(cache) >= MAX_PROBLEMS:
+        cache.clear()
+    return cache
 
 
 def decided(op: str, problem: tuple, device) -> tuple[str, dict, str]:

@@ -144,3 +144,49 @@ def test_committed_h200_table_loads_with_every_winner():
     counts = {line.split()[1].rstrip(":"): int(line.split()[2]) for line in r.stdout.splitlines() if line.startswith("h200 ")}
     assert sum(counts.values()) == len(winners) - len(stale) == 46 - len(stale), r.stdout
     assert ("warning" in r.stderr) == bool(stale)
+
+
+def test_gemm_key_of_a_column_slice_is_not_transposed(tmp_path, restore_table):
+    """A row-major column slice (row stride > columns) is read as it is stored: not trans, as the kernels read it."""
+    base, b = torch.randn(20, 64), torch.randn(32, 24)
+    cols = base[:, :32]
+    assert not cols.is_contiguous()
+    assert ops_adv.explain("gemm", cols, b)["problem"]["trans_a"] is False
+    assert ops_adv.explain("gemm", torch.randn(32, 20).t(), torch.randn(32, 8))["problem"]["trans_a"] is True
+    assert ops_adv.explain("gemm", cols, torch.randn(24, 32).t())["problem"]["trans_b"] is True
+    assert ops_adv.explain("gemm", cols, torch.randn(32, 48)[:, :24])["problem"]["trans_b"] is False
+    params = {"block_m": 32, "block_n": 32, "block_k": 0}
+    prob = {"M": 20, "N": 24, "K": 32, "dtype": "fp32", "trans_a": False, "trans_b": False}
+    ops_adv.load_table(str(_write_table(tmp_path / "t.json", "cpu", [_winner("gemm", prob, "cpu_blocked", params)])))
+    d = ops_adv.explain("gemm", cols, b)
+    assert (d["impl"], d["source"]) == ("cpu_blocked", "tuned")  # the contiguous problem's winner serves the slice
+    torch.testing.assert_close(ops_adv.gemm(cols, b), cols @ b)
+
+
+def test_dispatch_caches_are_bounded(monkeypatch, restore_table):
+    import tracemalloc
+
+    from ops_adv import _dispatch
+
+    ops_adv.load_table("")
+    monkeypatch.setattr(_dispatch, "MAX_PROBLEMS", 200, raising=False)
+    b = torch.randn(4, 3)
+    x = torch.randn(1100, 4)
+
+    def run(lo: int, hi: int) -> None:
+        for m in range(lo, hi):
+            torch.testing.assert_close(ops_adv.gemm(x[:m], b), x[:m] @ b)
+            ops_adv.linear(x[:m], b.t().contiguous())
+
+    run(1, 300)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        run(300, 1100)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(_dispatch._decisions) <= 200
+    assert all(len(c) <= 200 for c in _dispatch._caches.values())
+    assert grown < 1 << 19, f"{grown} bytes for 800 new shapes"  # unbounded: ~3 MiB
+    assert ops_adv.explain("gemm", x[:1], b)["source"] == "default"  # an evicted problem resolves again

@@ -103,7 +103,7 @@ def _resolve_fast(x: torch.Tensor, weight: torch.Tensor, key: tuple) -> Callable
                 y = y + bias
             return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
 
-    _fast_cache[key] = fn
+    _dispatch.bounded(_fast_cache)[key] = fn
     return fn
 
 
