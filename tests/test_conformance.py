@@ -228,3 +228,192 @@ def test_record_sees_a_conv_bn_relu_model_with_gradients():
     with torch.no_grad(), ops_adv.record() as rec:
         model(torch.randn(2, 3, 8, 8))
     assert "conv2d_bn_relu" in rec.shapes()
+
+
+# --------------------------------------------------------------------------- 2: attention keywords ops_adv does not understand
+
+
+def test_t5_decoder_continuing_its_cache_with_several_tokens_matches():
+    """T5's relative position bias: the decoder continuing its cache with 3 tokens (assisted decoding)."""
+    ref, conv = _pair("t5")
+    g = torch.Generator().manual_seed(3)
+    src, first, more = (torch.randint(1, 128, s, generator=g) for s in ((2, 9), (2, 4), (2, 3)))
+    outs = []
+    hf.ROUTE_LOG = []
+    try:
+        for m in (ref, conv):
+            with torch.no_grad():
+                enc = m.get_encoder()(input_ids=src)
+                out = m(encoder_outputs=enc, decoder_input_ids=first, use_cache=True)
+                cache = getattr(out, "past_key_values", None) or getattr(out, "cache")
+                outs.append(m(encoder_outputs=enc, decoder_input_ids=more, past_key_values=cache, use_cache=True).logits)
+        routes = set(hf.ROUTE_LOG)
+    finally:
+        hf.ROUTE_LOG = None
+    close(outs[1], outs[0])
+    assert "original" in routes
+
+
+def test_unknown_attention_keywords_run_the_original_implementation():
+    """Gemma 2's soft-capping runs its eager attention (SDPA refuses softcap), not SDPA, and matches."""
+    cfg = transformers.Gemma2Config(**TINY, head_dim=8)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    conv = ops_adv.convert_model(copy.deepcopy(ref))
+    ids = inputs("llama")["input_ids"]
+    with torch.no_grad():
+        close(conv(ids).logits, ref(ids).logits)
+    from ops_adv.models.hf import _understood
+
+    assert _understood({"position_ids": 1, "softcap": None, "sliding_window": 64}, Skv=64)
+    assert not _understood({"softcap": 30.0}, 8) and not _understood({"position_bias": torch.zeros(1)}, 8)
+    assert not _understood({"sliding_window": 4}, 8) and not _understood({"something_new": 1}, 8)
+
+
+# --------------------------------------------------------------------------- 4: parametrizations, pruning, norms
+
+
+class _LoRA(nn.Module):
+    """A rank-2 delta on a weight of any shape (rows = output features)."""
+
+    def __init__(self, shape: torch.Size, r: int = 2) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        out_f, in_f = shape[0], shape[1:].numel()
+        self.a, self.b = nn.Parameter(torch.randn(out_f, r, generator=g)), nn.Parameter(torch.randn(r, in_f, generator=g))
+
+    def forward(self, w):
+        return w + 0.1 * (self.a @ self.b).view_as(w)
+
+
+def _parametrize(kind: str, m: nn.Module) -> nn.Module:
+    from torch.nn.utils import parametrizations, parametrize, prune
+
+    if kind == "lora":
+        parametrize.register_parametrization(m, "weight", _LoRA(m.weight.shape))
+    elif kind == "prune":
+        prune.l1_unstructured(m, "weight", amount=0.5)
+    elif kind == "weight_norm":
+        parametrizations.weight_norm(m)
+    elif kind == "weight_norm_legacy":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nn.utils.weight_norm(m)
+    elif kind == "spectral_norm":
+        parametrizations.spectral_norm(m)
+    elif kind == "spectral_norm_legacy":
+        nn.utils.spectral_norm(m)
+    return m
+
+
+@pytest.mark.parametrize("layer,kind", [(layer, kind) for layer in ("linear", "conv2d") for kind in (
+    "lora", "prune", "weight_norm", "weight_norm_legacy", "spectral_norm", "spectral_norm_legacy")] + [("layer_norm", "shift")])
+def test_parametrized_converted_layers_compute_what_torch_does(layer, kind):
+    torch.manual_seed(0)
+    make = {"linear": lambda: nn.Linear(8, 6), "conv2d": lambda: nn.Conv2d(3, 4, 3),
+            "layer_norm": lambda: nn.LayerNorm(8)}[layer]
+    x = torch.randn(2, 3, 5, 5) if layer == "conv2d" else torch.randn(3, 8)
+    ref = make()
+    conv = ops_adv.convert_model(copy.deepcopy(ref))
+    assert "forward" in conv.__dict__
+    if layer == "layer_norm":
+        from torch.nn.utils import parametrize
+
+        for m in (ref, conv):
+            parametrize.register_parametrization(m, "weight", _Shift())
+    else:
+        torch.manual_seed(1)
+        _parametrize(kind, ref)
+        torch.manual_seed(1)
+        _parametrize(kind, conv)
+    got, want = conv(x), ref(x)
+    close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (n, p), q in zip(ref.named_parameters(), conv.parameters()):
+        assert q.grad is not None, n
+        close(q.grad, p.grad)
+
+
+class _Shift(nn.Module):
+    def forward(self, w):
+        return w * 1.5 + 0.25
+
+
+# --------------------------------------------------------------------------- 5: exact types (quantize_dynamic)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "resnet18"])
+def test_converted_modules_keep_their_exact_types_and_quantize_dynamic_takes_them(name):
+    ref, conv = _pair(name)
+    assert [type(m) for m in conv.modules()] == [type(m) for m in ref.modules()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qref = torch.ao.quantization.quantize_dynamic(ref, {nn.Linear}, dtype=torch.qint8)
+        qconv = torch.ao.quantization.quantize_dynamic(conv, {nn.Linear}, dtype=torch.qint8)
+    n_linear = sum(type(m) is nn.Linear for m in ref.modules())
+    quant = [m for m in qconv.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    assert n_linear and len(quant) == n_linear, quant
+    assert not any(type(m) is nn.Linear for m in qconv.modules())
+    kw = inputs(name)
+    with torch.no_grad():  # folded BNs round differently, and a dynamically quantized input amplifies that
+        close(call(qconv, kw), call(qref, kw), 3e-2 if name in CNNS else 1e-3)
+
+
+# --------------------------------------------------------------------------- 7: pickling
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_converted_model_pickles_and_round_trips(name, tmp_path):
+    ref, conv = _pair(name)
+    kw = inputs(name)
+    with torch.no_grad():
+        want = call(ref, kw)
+        close(call(conv, kw), want)
+    torch.save(conv, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert [type(m) for m in back.modules()] == [type(m) for m in conv.modules()]
+    assert sum("forward" in m.__dict__ for m in back.modules()) == sum("forward" in m.__dict__ for m in conv.modules())
+    with torch.no_grad():
+        close(call(back, kw), want)
+    assert ops_adv.explain_model(back) == ops_adv.explain_model(conv)
+
+
+def _load_and_run(blob: bytes) -> list:
+    model, kw = pickle.loads(blob)
+    with torch.no_grad():
+        return call(model, kw).tolist()
+
+
+def test_a_converted_model_pickles_into_another_process():
+    """multiprocessing (spawn): the fused decoder blocks' forward is rebuilt in the child by name."""
+    ref, conv = _pair("llama")
+    kw = inputs("llama")
+    blob = pickle.dumps((conv, kw))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = torch.tensor(pool.apply(_load_and_run, (blob,)))
+    with torch.no_grad():
+        close(got, call(ref, kw))
+
+
+# --------------------------------------------------------------------------- 8: jit
+
+
+@pytest.mark.parametrize("convert_in_train", [True, False], ids=["folded", "fused"])
+def test_jit_trace_of_a_converted_eval_resnet_passes_its_own_check(convert_in_train):
+    ref, conv = _pair("resnet18", convert_in_train=convert_in_train)
+    x = inputs("resnet18")["x"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(conv, x)  # check_trace=True: a second trace must take the same path
+    with torch.no_grad():
+        close(traced(x), ref(x))
+
+
+def test_jit_script_of_a_converted_model_says_what_to_do():
+    _, conv = _pair("resnet18")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(RuntimeError, match="script the model before ops_adv.convert_model") as e:
+            torch.jit.script(conv)
+    assert "\n" not in str(e.value)

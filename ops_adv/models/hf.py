@@ -50,6 +50,27 @@ def _clear_masks(module: nn.Module, args: Any) -> None:
     _PREFIX_MASKS.clear()
 
 
+def _register() -> "_Registered":
+    """Register "ops_adv" with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("ops_adv", hf_attention_forward)
+    try:  # the masks transformers builds for SDPA (None where is_causal says it all)
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register("ops_adv", _ops_adv_mask)
+    except ImportError:
+        pass
+    return _Registered()
+
+
+class _Registered:
+    """Kept on a converted model: unpickling it (another process, torch.load) registers "ops_adv" again."""
+
+    def __reduce__(self):
+        return (_register, ())
+
+
 def use_attention(model: nn.Module) -> list[dict[str, str]]:
     """Make a transformers model's attention ops_adv's (`hf_attention_forward`), with its mask function."""
     config = getattr(model, "config", None)
@@ -59,13 +80,7 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
         from transformers import AttentionInterface, PreTrainedModel
     except ImportError:
         return [{"module": "", "type": "attention", "converted": "no", "why": "transformers is not importable"}]
-    AttentionInterface.register("ops_adv", hf_attention_forward)
-    try:  # the masks transformers builds for SDPA (None where is_causal says it all)
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-        ALL_MASK_ATTENTION_FUNCTIONS.register("ops_adv", _ops_adv_mask)
-    except ImportError:
-        pass
+    model.__dict__["_ops_adv_attention"] = _register()
     before = config._attn_implementation
     for sub in model.modules():  # the implementation each module had: calls ops_adv does not understand run it
         if getattr(sub, "config", None) is not None and "_ops_adv_attn_original" not in sub.__dict__:
