@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 
 def table_path() -> str | None:
@@ -10,13 +11,38 @@ def table_path() -> str | None:
 
 
 def db_url() -> str | None:
-    """OPS_ADV_DB: the tuning database URL, used by the tuner and as the runtime's fallback table."""
-    return os.environ.get("OPS_ADV_DB") or None
+    """OPS_ADV_DB: the tuning database URL, used by the tuner and as the runtime's fallback table; a bare
+    path is an SQLite file, as the tuner reads it."""
+    url = os.environ.get("OPS_ADV_DB") or None
+    if url and "://" not in url:
+        url = "sqlite:///" + os.path.abspath(os.path.expanduser(url))
+    return url
+
+
+NEAREST_DEFAULT = 1.0
+_nearest_seen: tuple[str | None, float] = (None, NEAREST_DEFAULT)
 
 
 def nearest_max_distance() -> float:
-    """OPS_ADV_NEAREST: how far (Σ |log2 ratio| of sizes) a tuned problem may be to stand in for a miss."""
-    return float(os.environ.get("OPS_ADV_NEAREST", "1.0"))
+    """OPS_ADV_NEAREST: how far (Σ |log2 ratio| of sizes) a tuned problem may be to stand in for a miss;
+    a value that is not a number >= 0 (inf: any distance) warns once and the default (1.0) holds."""
+    global _nearest_seen
+    raw = os.environ.get("OPS_ADV_NEAREST")
+    if raw is None or raw.strip() == "":
+        return NEAREST_DEFAULT
+    if raw == _nearest_seen[0]:
+        return _nearest_seen[1]
+    try:
+        value = float(raw)
+        ok = value >= 0  # nan fails too; inf: any distance
+    except ValueError:
+        ok = False
+    if not ok:
+        warnings.warn(f"OPS_ADV_NEAREST={raw[:40]!r} is not a number >= 0 (a distance in octaves, e.g. 1.0); "
+                      f"using the default {NEAREST_DEFAULT}", RuntimeWarning, stacklevel=2)
+        value = NEAREST_DEFAULT
+    _nearest_seen = (raw, value)
+    return value
 
 
 def plugins() -> list[str]:

@@ -111,9 +111,24 @@ MAX_BYTES = 512 << 20
 
 
 def signature(data: dict, key: str) -> str:
-    """HMAC-SHA256 with `key` over the table's canonical JSON (everything but the signature)."""
+    """HMAC-SHA256 with `key` over the table's canonical JSON (everything but the signature). A key that is
+    not UTF-8 (undecodable bytes in the environment) is its raw bytes."""
     body = json.dumps({k: v for k, v in data.items() if k != "signature"}, sort_keys=True, separators=(",", ":"))
-    return hmac.new(key.encode(), body.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key.encode("utf-8", "surrogateescape"), body.encode("utf-8", "surrogateescape"),
+                    hashlib.sha256).hexdigest()
+
+
+def signed_by(data: dict, key: str) -> bool:
+    """Whether `data`'s signature is `key`'s (a signature that is not 64 hex digits never is)."""
+    sig = data.get("signature")
+    if not isinstance(sig, str) or not sig.isascii():
+        return False
+    return hmac.compare_digest(sig, signature(data, key))
+
+
+def key() -> str | None:
+    """OPS_ADV_TABLE_KEY, the key tables must be signed with (None: not set)."""
+    return os.environ.get("OPS_ADV_TABLE_KEY") or None
 
 
 def _structure(path: str, data: dict) -> None:
@@ -165,10 +180,10 @@ def read_file(path: str) -> Table:
         ok = False
     if not ok:
         raise TableError(f"tuned table {shown} is corrupt (checksum mismatch); export it again with opsadv-export")
-    key = os.environ.get("OPS_ADV_TABLE_KEY")
-    if key:
+    k = key()
+    if k:
         sig = data.get("signature")
-        if not isinstance(sig, str) or not hmac.compare_digest(sig, signature(data, key)):
+        if not signed_by(data, k):
             raise TableError(
                 f"tuned table {shown} is {'not signed' if sig is None else 'signed with another key or changed since'} "
                 f"(OPS_ADV_TABLE_KEY is set); sign it with: python -m ops_adv sign {shown}"
@@ -221,7 +236,34 @@ def read_database(url: str) -> list[Table]:
     return [Table(dc, {}, ws, url) for dc, ws in by_class.items()]
 
 
+class UnsignedSource(RuntimeWarning):
+    """A table source that cannot be signed (a database) while OPS_ADV_TABLE_KEY is set: it is not used."""
+
+
 def load(spec: str) -> list[Table]:
     if "://" in spec:
+        if key():
+            import warnings
+
+            warnings.warn(
+                f"OPS_ADV_TABLE_KEY is set, but winners read from a database ({redact(spec)[:200]}) cannot be signed: "
+                "they are not used and calls run the vendor kernels; export a table (opsadv-export), sign it "
+                "(python -m ops_adv sign FILE) and point OPS_ADV_TABLE at the file",
+                UnsignedSource, stacklevel=3)
+            return []
         return read_database(spec)
-    return [read_file(p) for p in spec.split(os.pathsep) if p]
+    out: list[Table] = []
+    for p in spec.split(os.pathsep):
+        if p and _is_sqlite(p):  # a tuning database given as a path, as the tuner takes it
+            out += load("sqlite:///" + os.path.abspath(p))
+        elif p:
+            out.append(read_file(p))
+    return out
+
+
+def _is_sqlite(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False

@@ -509,3 +509,84 @@ def test_sqlite_lock_file_name_never_holds_the_query(tmp_path):
     with schema_lock(url):
         pass
     assert not [p for p in tmp_path.iterdir() if "SeCrEtMaRkEr" in p.name]
+
+
+# --------------------------------------------------------------------------- issue 22: signing and settings, every source
+
+def _winner_db(path) -> str:
+    """A tuning database holding one gemm winner (the tables the runtime's query reads)."""
+    with closing(sqlite3.connect(path)) as con, con:
+        con.execute("create table opsadv_problems (id integer primary key, op text, key text)")
+        con.execute("create table opsadv_winners (problem_id integer, device_class text, impl text, params text, "
+                    "kernel_version text, median_ms real, vendor_impl text, vendor_ms real, speedup real)")
+        con.execute("insert into opsadv_problems values (1, 'gemm', ?)", (json.dumps(PROB),))
+        con.execute("insert into opsadv_winners values (1, 'cpu', 'cpu_blocked', ?, ?, 1.0, 'torch_matmul', 2.0, 2.0)",
+                    (json.dumps(GOOD), kernel_space.get_impl("gemm", "cpu_blocked").version))
+    return str(path)
+
+
+def _source(a=None, b=None) -> str:
+    a = torch.randn(PROB["M"], PROB["K"]) if a is None else a
+    b = torch.randn(PROB["K"], PROB["N"]) if b is None else b
+    return ops_adv.explain("gemm", a, b)["source"]
+
+
+@pytest.mark.parametrize("how", ["OPS_ADV_TABLE", "OPS_ADV_DB", "OPS_ADV_DB bare path", "OPS_ADV_TABLE bare path"])
+def test_database_tables_with_a_key_are_refused_with_one_warning(tmp_path, monkeypatch, restore_table, how):
+    path = _winner_db(tmp_path / "tuning.db")
+    var = how.split()[0]
+    monkeypatch.delenv("OPS_ADV_TABLE", raising=False)
+    monkeypatch.setenv(var, path if "bare" in how else f"sqlite:///{path}")
+    ops_adv.load_table()
+    assert _source() == "tuned"  # no key: the database's winners are used
+    monkeypatch.setenv("OPS_ADV_TABLE_KEY", "k1")
+    with pytest.warns(_table.UnsignedSource) as seen:
+        assert ops_adv.load_table() == {}
+    assert len(seen) == 1
+    msg = str(seen[0].message)
+    assert "OPS_ADV_TABLE_KEY" in msg and "python -m ops_adv sign" in msg and "\n" not in msg
+    assert _source() == "default"  # the vendor kernels run
+
+
+def test_bare_path_db_is_sqlite_not_json(tmp_path, monkeypatch, restore_table):
+    monkeypatch.delenv("OPS_ADV_TABLE", raising=False)
+    monkeypatch.delenv("OPS_ADV_TABLE_KEY", raising=False)
+    monkeypatch.setenv("OPS_ADV_DB", str(tmp_path / "missing.db"))
+    with pytest.raises(ops_adv.TableError) as e:
+        ops_adv.load_table()
+    assert "does not exist" in str(e.value) and "JSON" not in str(e.value)
+    monkeypatch.chdir(tmp_path)
+    _winner_db(tmp_path / "here.db")
+    monkeypatch.setenv("OPS_ADV_DB", "here.db")  # relative, as the tuner takes it
+    assert ops_adv.load_table()["cpu"]["gemm"]
+
+
+def test_non_ascii_signature_and_non_utf8_key_are_one_line(tmp_path, monkeypatch, restore_table):
+    path = _write(tmp_path / "t.json", [_winner(GOOD)], signature="é" * 64)
+    monkeypatch.setenv("OPS_ADV_TABLE_KEY", "k1")
+    with pytest.raises(ops_adv.TableError, match="signed with another key or changed") as e:
+        ops_adv.load_table(str(path))
+    assert "\n" not in str(e.value)
+    key = os.fsdecode(b"k\xff\xfe")  # undecodable bytes in the environment
+    monkeypatch.setenv("OPS_ADV_TABLE_KEY", key)
+    with pytest.raises(ops_adv.TableError, match="signed with another key or changed"):
+        ops_adv.load_table(str(path))
+    d = json.loads(path.read_text())
+    d["signature"] = _table.signature(d, key)
+    path.write_text(json.dumps(d))
+    assert ops_adv.load_table(str(path))["cpu"]["gemm"]
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "1,5"])
+def test_bad_nearest_is_one_warning_and_the_default(tmp_path, monkeypatch, restore_table, value):
+    from ops_adv import _settings
+
+    monkeypatch.setenv("OPS_ADV_NEAREST", value)
+    monkeypatch.setattr(_settings, "_nearest_seen", (None, _settings.NEAREST_DEFAULT))
+    ops_adv.load_table(str(_write(tmp_path / "t.json", [_winner(GOOD)])))
+    near = torch.randn(PROB["M"] + 8, PROB["K"])  # within the default distance
+    with pytest.warns(RuntimeWarning, match="OPS_ADV_NEAREST") as seen:
+        assert _source(a=near) == "nearest"
+        assert _source(a=torch.randn(PROB["M"] + 9, PROB["K"])) == "nearest"
+    assert len([w for w in seen if "OPS_ADV_NEAREST" in str(w.message)]) == 1
+    assert "\n" not in str(seen[0].message)
