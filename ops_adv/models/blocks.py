@@ -118,8 +118,8 @@ def _rope_matches(fn: Any) -> bool:
     from ..ops.rope import apply_rotary_pos_emb as ours
 
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
-    ang = torch.randn(1, 3, 4, generator=g)
+    q, k = torch.randn(1, 2, 3, 8, generator=g, device="cpu"), torch.randn(1, 1, 3, 8, generator=g, device="cpu")
+    ang = torch.randn(1, 3, 4, generator=g, device="cpu")
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     try:
         with torch.no_grad():

@@ -188,7 +188,7 @@ def _looks_like_rms_norm(m: nn.Module) -> str | None:
     if not w.dtype.is_floating_point:
         return "weight is not a floating-point tensor"
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = (torch.randn(3, w.shape[0], generator=g) * 0.01).to(device=w.device, dtype=w.dtype)
+    x = (torch.randn(3, w.shape[0], generator=g, device="cpu") * 0.01).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         try:
             got = m(x)
