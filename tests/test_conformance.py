@@ -500,3 +500,19 @@ def test_compile_and_export_match(name, table):
         close(call(torch.compile(conv, fullgraph=True, backend="aot_eager"), kw), want, 2e-4)
         ep = torch.export.export(conv, (kw["x"],)) if "x" in kw else torch.export.export(conv, (), kwargs=kw)
         close(call(ep.module(), kw), want, 2e-4)
+
+
+# --------------------------------------------------------------------------- 10: explain_model
+
+
+def test_explain_reports_gpt2_conv1d_meta_norms_and_no_container_noise():
+    rows = ops_adv.explain_model(ops_adv.convert_model(_hf("gpt2").eval()))
+    conv1d = [r for r in rows if r["type"] == "Conv1D"]
+    assert len(conv1d) == 8 and all(r["converted"] == "yes" for r in conv1d)  # c_attn, c_proj, c_fc, mlp.c_proj × 2
+    rows = ops_adv.explain_model(ops_adv.convert_model(_tv("mobilenet_v3_small").eval()))
+    assert not [r for r in rows if r["type"] == "Conv2dNormActivation"]
+    with torch.device("meta"):
+        meta = _hf("llama")
+    with pytest.warns(UserWarning, match="meta device"):
+        rows = ops_adv.explain_model(ops_adv.convert_model(meta))
+    assert any(r["converted"] == "no" and "meta device" in r["why"] for r in rows if "Norm" in r["type"])

@@ -171,9 +171,9 @@ def _conv_refusal(conv: nn.Module) -> str | None:
 
 
 def _converted(m: nn.Module) -> bool:
-    from .convert import converted
-
-    return converted(m)
+    """Whether `m`'s forward is one convert_model gave it (marked `_ops_adv_forward`)."""
+    f = m.__dict__.get("forward")
+    return isinstance(f, functools.partial) and getattr(f.func, "_ops_adv_forward", False)
 
 
 def _bn_refusal(bn: nn.Module, conv: nn.Conv2d) -> str | None:

@@ -161,6 +161,10 @@ def _swap(m: nn.Module, forward) -> None:
     m.__dict__["__prepare_scriptable__"] = functools.partial(_not_scriptable, m)
 
 
+for _f in _OURS:
+    _f._ops_adv_forward = True  # conv_bn tells ours apart by this mark (it does not import this module)
+
+
 def converted(m: nn.Module) -> bool:
     """Whether convert_model gave `m` one of ops_adv's forwards."""
     f = m.__dict__.get("forward")
