@@ -284,7 +284,7 @@ def add_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
 
 def remove_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
     with _lock:
-        _wrappers[:] = [w for w in _wrappers if w is not wrap]
+        _wrappers[:] = [w for w in _wrappers if w != wrap]  # ==: bound methods are equal, not identical
         for c in _caches.values():
             c.clear()
 

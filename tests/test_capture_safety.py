@@ -155,3 +155,20 @@ def test_reduce_overhead_compile_of_converted_decode(models):
     want = step(base).float()
     for o in outs:
         torch.testing.assert_close(o, want, rtol=0.05, atol=0.05)
+
+
+def test_capture_after_a_profiled_step(models):
+    """The e2e benchmark profiled a step at B=1, then captured B=8: the profiler stayed installed and
+    synchronised inside the capture, which left the process unusable (issue 20)."""
+    base, conv = models
+    step = Decode(conv, 4)
+    with ops_adv.profiler.ProfileContext() as prof:
+        step.prep()
+        step()
+    assert prof.calls
+    big = Decode(conv, 8)
+    g, out = _capture(big, warmup=False)
+    big.prep()
+    g.replay()
+    big.prep()
+    torch.testing.assert_close(out.float(), big(base).float(), rtol=0.05, atol=0.05)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import torch
+
 from kernel_space import get_op
 
 from .. import _dispatch
@@ -27,11 +29,14 @@ class ProfileContext:
         self.calls: list[dict[str, Any]] = []
 
     def __enter__(self) -> "ProfileContext":
-        _dispatch.add_wrapper(self._wrap)
+        # One bound method, kept: `self._wrap` makes a new object at each access, and a profiler that
+        # stayed installed after its block synchronised inside later CUDA graph captures (issue 20).
+        self._installed = self._wrap
+        _dispatch.add_wrapper(self._installed)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _dispatch.remove_wrapper(self._wrap)
+        _dispatch.remove_wrapper(self._installed)
 
     def _wrap(self, op: str, problem: Any, impl: str, source: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         spec = get_op(op)
@@ -39,6 +44,8 @@ class ProfileContext:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             dev = next((a.device for a in args if hasattr(a, "device")), None)
+            if getattr(dev, "type", None) == "cuda" and torch.cuda.is_current_stream_capturing():
+                return fn(*args, **kwargs)  # no timing (it synchronises) inside a CUDA graph capture
             sync = _sync_for(dev)
             sync()
             t0 = time.perf_counter()
