@@ -25,6 +25,7 @@ from kernel_space._common import DTYPE_CODE
 from . import _dispatch
 
 _is_compiling = torch.compiler.is_compiling
+_is_exporting = torch.compiler.is_exporting
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 # Under autocast torch's own function runs: autocast picks its dtypes (a kernel would return the input dtype).
@@ -32,6 +33,19 @@ _autocast = torch._C._is_any_autocast_enabled
 # Under torch.func transforms (grad, vmap, jacrev, ...) torch's own function runs: the custom operators'
 # autograd is not functorch's, and the kernels have no batching rule (66 ns a call to ask).
 _functorch = torch._C._are_functorch_transforms_active
+
+
+@torch.compiler.assume_constant_result
+def _vendor_only(op: str, device: str) -> bool:
+    return not _dispatch._settings.compile_keeps_operators() and _dispatch.vendor_only(op, torch.device(device))
+
+
+def _compiled_vendor(op: str, device: torch.device) -> bool:
+    """Under torch.compile, whether the table leaves `op` on `device` to vendor kernels only: then the op
+    traces as torch's own function, which Inductor fuses with its neighbours, instead of an opaque custom
+    operator. Decided when the graph is traced: load the table before compiling. torch.export keeps the
+    operators, so an exported program dispatches through the table of the machine that runs it."""
+    return _is_compiling() and not _is_exporting() and _vendor_only(op, str(device))
 
 
 def _traced(*ts: torch.Tensor) -> bool:

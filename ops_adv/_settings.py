@@ -48,3 +48,10 @@ def nearest_max_distance() -> float:
 def plugins() -> list[str]:
     """OPS_ADV_PLUGINS: comma-separated modules that register extra implementations."""
     return [m.strip() for m in os.environ.get("OPS_ADV_PLUGINS", "").split(",") if m.strip()]
+
+
+def compile_keeps_operators() -> bool:
+    """OPS_ADV_COMPILE_OPERATORS=1: under torch.compile every covered call is its `ops_adv::` operator, even
+    where the table leaves the op to vendor kernels (the graph then never depends on the table). By default
+    such ops trace as torch's own functions, which Inductor can fuse."""
+    return os.environ.get("OPS_ADV_COMPILE_OPERATORS", "").strip().lower() in ("1", "true", "yes", "on")

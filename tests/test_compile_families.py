@@ -139,3 +139,53 @@ def test_families_compile_under_the_oldest_supported_transformers():
                         "-k", "compiles_whole_and_matches or decode_steps_compile_once"],
                        capture_output=True, text=True, env=env, cwd=root, timeout=1500)
     assert r.returncode == 0, f"transformers {version}:\n{r.stdout[-4000:]}"
+
+
+def _ops_in_compiled_graph(model, *args) -> set[str]:
+    """The ops_adv operators in the graph torch.compile traces for model(*args)."""
+    seen: set[str] = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "ops_adv" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, fullgraph=True, backend=backend)(*args)
+    return seen
+
+
+def test_compile_traces_torchs_own_ops_where_the_table_has_only_vendor_kernels(tmp_path):
+    """With nothing of ops-adv's tuned, a compiled converted model is torch's own graph (Inductor fuses
+    it as it fuses the original's); a table with one of our kernels keeps that op's custom operator."""
+    import json
+
+    import kernel_space
+    from ops_adv import _table
+
+    model = ops_adv.convert_model(_decoder("llama"))
+    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    ops_adv.load_table("")
+    try:
+        assert _ops_in_compiled_graph(model, ids) == set()
+        with ops_adv.record() as rec:
+            with torch.no_grad():
+                model(ids)
+        gemms = rec.shapes()["gemm"]
+        impl = kernel_space.get_impl("gemm", "cpu_blocked")
+        params = next(c for c in impl.configs() if impl.why_not(get_op_problem(gemms[0]), c, "cpu") is None)
+        winners = [{"op": "gemm", "problem": p, "impl": "cpu_blocked", "params": params, "kernel_version": impl.version,
+                    "median_ms": 1.0, "vendor_impl": "torch_matmul", "vendor_ms": 2.0, "speedup": 2.0} for p in gemms]
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"format": _table.FORMAT, "format_version": _table.FORMAT_VERSION, "device_class": "cpu",
+                                    "fingerprint": {}, "winners": winners, "checksum": _table.checksum(winners)}))
+        ops_adv.load_table(str(path))
+        assert {o.split(".")[1] for o in _ops_in_compiled_graph(model, ids)} == {"gemm"}
+    finally:
+        ops_adv.load_table("")
+
+
+def get_op_problem(data: dict):
+    import kernel_space
+
+    return kernel_space.get_op("gemm").parse_problem(data)

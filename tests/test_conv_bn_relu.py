@@ -134,7 +134,8 @@ def test_op_under_grad_gives_torch_gradients():
     torch.testing.assert_close(gx, x.grad)
 
 
-def test_op_under_compile_runs_the_custom_operator():
+def test_op_under_compile_runs_the_custom_operator(monkeypatch):
+    monkeypatch.setenv("OPS_ADV_COMPILE_OPERATORS", "1")  # else, with no kernel of ours tuned, torch's own ops trace
     x, w, b = torch.randn(2, 3, 8, 8), torch.randn(5, 3, 3, 3), torch.randn(5)
     graphs = []
 
@@ -283,7 +284,8 @@ def test_untraceable_forward_is_left_unchanged_with_a_reason():
     assert isinstance(model.conv, nn.Conv2d) and isinstance(model.bn, nn.BatchNorm2d)
 
 
-def test_compiled_fused_model_on_cpu():
+def test_compiled_fused_model_on_cpu(monkeypatch):
+    monkeypatch.setenv("OPS_ADV_COMPILE_OPERATORS", "1")  # else, with no kernel of ours tuned, torch's own ops trace
     model = _randomize_bn(SmallCNN()).eval()
     f, _ = _fused(model)
     x = torch.randn(2, 3, 16, 16)

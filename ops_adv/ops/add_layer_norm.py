@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _autocast, _both, _fresh, _pair_ok, _rows_ok, _traced, define
+from .._op import _compiled_vendor, _autocast, _both, _fresh, _pair_ok, _rows_ok, _traced, define
 
 
 def _add_ln_composite(x, residual, weight, bias, eps):
@@ -28,6 +28,8 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     if weight is None or not _rows_ok(x, weight, bias) or not _pair_ok(x, residual) or _autocast():
         return _add_ln_composite(x, residual, weight, bias, eps)
     if _traced(x, residual, weight, bias):
+        if _compiled_vendor("add_layer_norm", x.device):
+            return _add_ln_composite(x, residual, weight, bias, eps)
         return torch.ops.ops_adv.add_layer_norm(x, residual, weight, bias, float(eps))
     return _add_layer_norm(x, residual, weight, bias, float(eps))
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _autocast, _both, _fresh, _pair_ok, _rms_grads, _rows_ok, _traced, define
+from .._op import _compiled_vendor, _autocast, _both, _fresh, _pair_ok, _rms_grads, _rows_ok, _traced, define
 
 
 def _rms(h: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
@@ -39,6 +39,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         return _add_rms_composite(x, residual, weight, eps)
     eps = _default_eps(x) if eps is None else float(eps)
     if _traced(x, residual, weight):
+        if _compiled_vendor("add_rms_norm", x.device):
+            return _add_rms_composite(x, residual, weight, eps)
         return torch.ops.ops_adv.add_rms_norm(x, residual, weight, eps)
     return _add_rms_norm(x, residual, weight, eps)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import _OP_FUNCS, cache_for, lookup, register_function
-from .._op import _autocast, _functorch, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
+from .._op import _compiled_vendor, _autocast, _functorch, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
 
 DECODE_MAX_QUERY = 16  # query rows up to which grouped-head attention runs decode_attention
 # The dispatcher's per-op cache, read directly on the hot path (a function call costs ~150 ns).
@@ -30,6 +30,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         qs, ks = q.shape, k.shape
         # 4-D, the same heads and head dim for q, k and v (no grouped K/V, Dv == D)
         if len(qs) == 4 and ks == v.shape and len(ks) == 4 and ks[1] == qs[1] and ks[3] == qs[3] and ks[0] == qs[0]:
+            if _compiled_vendor("attention", q.device):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
             if _is_compiling() or _tracing_state() is not None \
                     or (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
                         and q.numel() and k.numel() and _op_needed("attention", q, k, v, bool(is_causal))):

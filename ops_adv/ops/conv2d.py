@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _autocast, _functorch, _conv_format, _fresh, _is_compiling, _op_needed, _square, _traced, _tracing_state, define
+from .._op import _compiled_vendor, _autocast, _functorch, _conv_format, _fresh, _is_compiling, _op_needed, _square, _traced, _tracing_state, define
 
 
 def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
@@ -21,6 +21,8 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or (bias is not None and bias.dtype is not x.dtype) or _autocast() or _functorch():
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if _traced(x, weight, bias):
+        if _compiled_vendor("conv2d", x.device):
+            return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         if not _is_compiling() and _tracing_state() is None and (
                 not x.numel() or not weight.numel() or x.device != weight.device or not _conv_out_ok(x, weight, s, p, d)
                 or not _op_needed("conv2d", x, weight, s, p, d)):

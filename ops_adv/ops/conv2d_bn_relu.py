@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _autocast, _functorch, _conv_format, _fresh, _grad_enabled, _is_compiling, _square, _tracing_state, define
+from .._op import _compiled_vendor, _autocast, _functorch, _conv_format, _fresh, _grad_enabled, _is_compiling, _square, _tracing_state, define
 
 _cache = cache_for("conv2d_bn_relu")
 
@@ -39,6 +39,8 @@ def conv2d_bn_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if _grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
         return _composite(x, weight, bias, s, p, d, relu)  # inference op: torch's graph gives the gradients
     if _is_compiling() or _tracing_state() is not None:
+        if _compiled_vendor("conv2d_bn_relu", x.device):
+            return _composite(x, weight, bias, s, p, d, relu)
         return torch.ops.ops_adv.conv2d_bn_relu(x, weight, bias, s, p, d, bool(relu))
     return _run(x, weight, bias, s, p, d, bool(relu))
 

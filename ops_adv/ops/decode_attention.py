@@ -18,7 +18,7 @@ from kernel_space.decode_attention.problem import visible
 from kernel_space.decode_attention.vendor import sdpa_decode
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _autocast, _functorch, _fresh, _traced, define
+from .._op import _compiled_vendor, _autocast, _functorch, _fresh, _traced, define
 
 _decode_cache = cache_for("decode_attention")
 _LENS_DTYPES = (torch.int32, torch.int64)
@@ -34,6 +34,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
         if ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and ks[1] and qs[1] % ks[1] == 0 and (
                 seq_lens is None or (isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 and seq_lens.shape[0] == qs[0]
                                      and seq_lens.dtype in _LENS_DTYPES and seq_lens.device == q.device)):
+            if _compiled_vendor("decode_attention", q.device):
+                return _fallback(q, k, v, seq_lens, bool(causal), scale)
             if _traced(q, k, v):
                 return torch.ops.ops_adv.decode_attention(q, k, v, seq_lens, bool(causal))
             return _decode(q, k, v, seq_lens, bool(causal))

@@ -6,7 +6,7 @@ import torch
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _autocast, _functorch, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
+from .._op import _compiled_vendor, _autocast, _functorch, _fresh, _grad_enabled, _is_compiling, _op_needed, _tracing_state, define
 
 # The dispatcher's per-op cache, read directly on the hot path (a function call costs ~150 ns).
 _gemm_cache = cache_for("gemm")
@@ -18,6 +18,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if len(sa) != 2 or len(sb) != 2 or b.dtype is not dt or dt not in DTYPE_CODE or _autocast() or _functorch():
         return torch.matmul(a, b)
     if _is_compiling() or _tracing_state() is not None:
+        if _compiled_vendor("gemm", a.device):
+            return torch.matmul(a, b)
         return torch.ops.ops_adv.gemm(a, b)
     if _grad_enabled() and (a.requires_grad or b.requires_grad):
         if a.shape[1] != b.shape[0] or not a.numel() or not b.numel() or a.device != b.device \

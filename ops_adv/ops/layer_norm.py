@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _fresh, _last_dim, _is_compiling, _op_needed, _rows_ok, _traced, _tracing_state, define
+from .._op import _compiled_vendor, _fresh, _last_dim, _is_compiling, _op_needed, _rows_ok, _traced, _tracing_state, define
 
 
 def layer_norm(x: torch.Tensor, normalized_shape: Any = None, weight: torch.Tensor | None = None,
@@ -23,6 +23,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: Any = None, weight: torch.Tens
     if weight is None or not _rows_ok(x, weight, bias):
         return F.layer_norm(x, x.shape[-1:] if normalized_shape is None else normalized_shape, weight, bias, eps)
     if _traced(x, weight, bias):
+        if _compiled_vendor("layer_norm", x.device):
+            return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
         if not _is_compiling() and _tracing_state() is None and (not x.numel() or not _op_needed("layer_norm", x, weight)):
             return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
         return torch.ops.ops_adv.layer_norm(x, weight, bias, float(eps))

@@ -25,7 +25,7 @@ from kernel_space import get_impl
 
 from .. import _dispatch
 from .._dispatch import _OP_FUNCS, cache_for, lookup, register_function
-from .._op import _autocast, _fresh, _functorch, _grad_enabled, _is_compiling, _traced, _tracing_state, define
+from .._op import _compiled_vendor, _autocast, _fresh, _functorch, _grad_enabled, _is_compiling, _traced, _tracing_state, define
 
 _linear_cache = cache_for("linear")
 # (M, N, K, dtype, device) -> the call a contiguous x and weight run without an activation; emptied with the others
@@ -52,6 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if K != weight.shape[1] or not x.numel():
         return F.linear(x, weight, bias)
     if _is_compiling() or _tracing_state() is not None:
+        if _compiled_vendor("gemm", x.device):
+            return F.linear(x, weight, bias)
         return _via_gemm(x, weight, bias)  # the gemm operator: the graph never depends on the table
     if _grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias) if _vendor(x, weight) else _via_gemm(x, weight, bias)
@@ -122,6 +124,8 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             or _autocast() or _functorch():
         return activate(F.linear(x, weight, bias), act)
     if _traced(x, weight, bias):
+        if _compiled_vendor("linear", x.device):
+            return activate(F.linear(x, weight, bias), act)
         return torch.ops.ops_adv.linear(x, weight, bias, act)
     return _linear(x, weight, bias, act)
 

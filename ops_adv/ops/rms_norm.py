@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _fresh, _last_dim, _is_compiling, _op_needed, _rms_grads, _rows_ok, _traced, _tracing_state, define
+from .._op import _compiled_vendor, _fresh, _last_dim, _is_compiling, _op_needed, _rms_grads, _rows_ok, _traced, _tracing_state, define
 
 _rms_cache = cache_for("rms_norm")
 
@@ -30,6 +30,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: Any = None, weight: torch.Tensor
     if eps is None:  # as F.rms_norm: the epsilon of the type it computes in (fp32 for 16-bit inputs)
         eps = torch.finfo(torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype).eps
     if _traced(x, weight):
+        if _compiled_vendor("rms_norm", x.device):
+            return F.rms_norm(x, x.shape[-1:], weight, eps)
         if not _is_compiling() and _tracing_state() is None and (not x.numel() or not _op_needed("rms_norm", x, weight)):
             return F.rms_norm(x, x.shape[-1:], weight, eps)
         return torch.ops.ops_adv.rms_norm(x, weight, float(eps))

@@ -22,7 +22,7 @@ from kernel_space._common import DTYPE_CODE
 from kernel_space.rope.vendor import composite, full_tables
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _functorch, _grad_enabled, _is_compiling, _tracing_state, define
+from .._op import _compiled_vendor, _functorch, _grad_enabled, _is_compiling, _tracing_state, define
 
 _rope_cache = cache_for("rope")
 _INT = (torch.int64, torch.int32)
@@ -35,6 +35,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if layout not in ("bshd", "bhsd"):
         raise ValueError(f"rope: layout {layout!r} is not one of 'bshd' (B, S, H, D) and 'bhsd' (B, H, S, D)")
     if _functorch() or not _covered(q, k, cos, sin, positions, layout):
+        return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
+    if _compiled_vendor("rope", q.device):
         return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
     if _is_compiling() or _tracing_state() is not None or (_grad_enabled() and (q.requires_grad or k.requires_grad)):
         qo, ko = torch.ops.ops_adv.rope(q, k, cos, sin, positions, bool(interleaved), layout)

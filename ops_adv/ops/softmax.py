@@ -6,7 +6,7 @@ import torch
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _autocast, _functorch, _fresh, _is_compiling, _op_needed, _traced, _tracing_state, define
+from .._op import _compiled_vendor, _autocast, _functorch, _fresh, _is_compiling, _op_needed, _traced, _tracing_state, define
 
 
 def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -14,6 +14,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     if dtype is not None or x.dim() < 1 or dim not in (-1, x.dim() - 1) or x.dtype not in DTYPE_CODE or _autocast() or _functorch():
         return torch.softmax(x, dim, dtype=dtype)
     if _traced(x):
+        if _compiled_vendor("softmax", x.device):
+            return torch.softmax(x, -1)
         if not _is_compiling() and _tracing_state() is None and (not x.numel() or not _op_needed("softmax", x)):
             return torch.softmax(x, -1)
         return torch.ops.ops_adv.softmax(x)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _fresh, _functorch, _pair_ok, _traced, define
+from .._op import _compiled_vendor, _fresh, _functorch, _pair_ok, _traced, define
 
 
 def _split(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +36,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
             or (up is not None and not _pair_ok(gate, up)):
         return _swiglu_composite(gate, up)
     if _traced(gate, up):
+        if _compiled_vendor("swiglu", gate.device):
+            return _swiglu_composite(gate, up)
         return torch.ops.ops_adv.swiglu(gate, up)
     return _swiglu(gate, up)
 
