@@ -123,13 +123,31 @@ def check_output(
 def check_graph(fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, device: torch.device | str,
                 replays: int = 2) -> dict[str, Any]:
     """`fn(*args, **attrs)` captured in a CUDA graph and replayed `replays` times, its output
-    NaN-filled before each: {"graph_rel_error": worst error}, or {"graph_error": why capture failed}.
+    NaN-filled before each: {"graph_rel_error": worst error}, or {"graph_error": why capture failed,
+    "context_lost": True}.
 
     A warm-up call on a side stream first (as torch.cuda.graph's recipe asks) keeps compilation
-    and lazily created buffers out of the capture. Exceptions from the warm-up and the replays
-    propagate; a failed capture is returned (with a lost context it is raised).
+    and lazily created buffers out of the capture. A capture invalidated by a forbidden call (a
+    host sync, say) leaves its error for later CUDA calls to read, and on the H200 (torch 2.11) the
+    process then failed every later CUDA call, the exit of `torch.cuda.device` included: so the
+    failure is returned with "context_lost", and the worker is replaced. A fault (illegal address, ...)
+    is raised.
     """
     device = torch.device(device)
+    try:
+        return _capture_and_replay(fn, args, attrs, ref, device, replays)
+    except Exception as exc:
+        if any(f in str(exc) for f in _FATAL_CUDA):
+            raise
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:
+            pass
+        return {"graph_error": short_error(exc, 300, lines=2), "context_lost": True}
+
+
+def _capture_and_replay(fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, device: torch.device,
+                        replays: int) -> dict[str, Any]:
     with torch.cuda.device(device):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -138,21 +156,8 @@ def check_graph(fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, d
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                res = fn(*args, **attrs)
-        except Exception as exc:
-            if any(f in str(exc) for f in _FATAL_CUDA):
-                raise
-            # A capture invalidated by a forbidden call leaves its error for the next CUDA call to read
-            # (on the H200, torch 2.11: the first probe after it fails), and torch may leave the
-            # capture's allocator pool and generator state behind: read the error once, and have the
-            # worker replaced ("context_lost") so that no later trial runs in that process.
-            try:
-                torch.cuda.synchronize(device)
-            except Exception:
-                pass
-            return {"graph_error": short_error(exc, 300, lines=2), "context_lost": True}
+        with torch.cuda.graph(graph):
+            res = fn(*args, **attrs)
         out, errs = _first(res), []
         for _ in range(replays):
             if torch.is_tensor(out) and out.dtype.is_floating_point:
