@@ -29,8 +29,8 @@ def default_url() -> str:
     return f"sqlite:///{base / 'tuning.db'}"
 
 
-# Messages never start with "database URL": redact(), applied again by the command lines, takes a text that starts
-# with one or two words and :// for a single URL (whose password may hold a space) and hides all of it.
+# Messages start with "the database ..." (a habit kept from before redact() told prose around a URL from a URL
+# whose password holds a space; it now keeps the prose either way).
 
 
 def _url_error(url: str, why: str, fix: str) -> "DatabaseError":

@@ -69,7 +69,7 @@ def redact(text: str, *urls: str) -> str:
             _redact_url(str(u), secrets)
         for m in _KV.finditer(str(u or "")):
             secrets.add(m.group(3).strip("'\""))
-    if re.match(r"[^:/\s]*(\s[^:/\s]*)?://", text):  # one URL, whole (a password may hold a space or a quote)
+    if _one_url(text):  # one URL, whole (a password may hold a space or a quote)
         text = _redact_url(text, secrets)
     else:
         text = _URL.sub(lambda m: _redact_url(m.group(0), secrets), text)
@@ -78,6 +78,24 @@ def redact(text: str, *urls: str) -> str:
         secrets.add(m.group(3).strip("'\""))
     text = _KV.sub(lambda m: f"{m.group(1)}{m.group(2)}***" if m.group(3) != "***" else m.group(0), text)
     return _replace(text, secrets)
+
+
+def _one_url(text: str) -> bool:
+    """Whether `text` must be read as a single URL: it starts with one (a scheme of one or two words) and either
+    ends with it or its first token cannot be a whole URL (a user:password cut by a space, a port that is not
+    a number, a password in the query). 'database postgresql://u:***@h/d is old' is prose around a URL."""
+    m = re.match(r"[^:/\s]*(\s[^:/\s]*)?://(\S*)(\s?)", text)
+    if not m:
+        return False
+    token, after = m.group(2), text[m.end():]
+    if not m.group(3):
+        return True
+    if "@" not in token and "@" in after:
+        return True
+    host = re.sub(r"\[[^\]]*\]", "", re.split(r"[/?#]", token.rpartition("@")[2], maxsplit=1)[0])
+    if ":" in host and not re.fullmatch(r"[^:]*:\d*", host):
+        return True
+    return bool(_QUERY_SECRET.search(unquote(token.partition("?")[2])))
 
 
 def _replace(text: str, secrets: set[str]) -> str:

@@ -39,7 +39,7 @@ def test_postgres_at_an_older_schema_names_the_database_and_hides_only_the_passw
     engine.dispose()
     line = _one_line(capsys, report_main(["--device", "cpu", "--db", PG_URL]))
     u = make_url(PG_URL)
-    assert f"@{u.host}:{u.port or 5432}/" in line and "is at schema 0002" in line and "upgrade postgresql" in line, line
+    assert f"@{u.host}{f':{u.port}' if u.port else ''}/" in line and "is at schema 0002" in line and "upgrade postgresql" in line, line
     assert "***://" not in line
     if u.password and u.password not in (u.username, u.database, u.host):
         assert u.password not in line
@@ -107,3 +107,19 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     assert "re-run the same command to resume" in err and "Traceback" not in err and "SIGTERM" not in err, err[-3000:]
     with Session(db.make_engine(url)) as s:
         assert [r.status for r in s.scalars(select(db.Run))] == ["interrupted"]
+
+
+@pytest.mark.parametrize("pw", ["s3cretPW", "a@s3cretPW", "s3cretPW%40x", "s3cretPW/x"])
+def test_redact_hides_only_the_password_of_a_url_inside_prose(pw):
+    from ops_adv._table import redact
+
+    for url, shown in ((f"postgresql://me:{pw}@db.example:5432/tune", "postgresql://me:***@db.example:5432/tune"),
+                       (f"postgresql://me:{pw}@[::1]/tune", "postgresql://me:***@[::1]/tune")):
+        text = f"database {url} is at an older schema (0002); run: opsadv-db upgrade {url}"
+        assert redact(text) == f"database {shown} is at an older schema (0002); run: opsadv-db upgrade {shown}"
+        assert redact(redact(text)) == redact(text)  # a command line redacts the message again
+    again = "database postgresql://me:***@h/d is at schema ab:cd@x; run opsadv-db upgrade"
+    assert redact(again) == again
+    # a single URL whose password holds a space is still hidden whole
+    assert "s3cretPW" not in redact("postgresql://me:a s3cretPW@h/d") and "s3cretPW" not in redact("p g://me:a s3cretPW@h/d")
+    assert "s3cretPW" not in redact("postgresql://me@h/d?sslmode=disable&password=a s3cretPW&x=1")
