@@ -22,32 +22,35 @@ from ..ops.swiglu import swiglu
 
 # --------------------------------------------------------------------------- attention
 
-# Masks made by ops_adv's mask function in the current forward: (q_length, kv_length) -> True when the
-# mask is causal over cache slots [0, seq_len) with no padding (then seq_lens can be read off the mask
-# on the device and decode_attention computes the same thing). Cleared by a forward pre-hook, so a 4-D
-# mask a caller passes in (transformers skips the mask function then) is never taken for one of ours.
-_PREFIX_MASKS: dict[tuple[int, int], bool] = {}
+# Masks made by ops_adv's mask function that are plain causal masks over cache slots [0, seq_len) (no
+# padding, no window) carry this stride on their head dimension. That dimension has size 1, so its stride
+# changes nothing (not even is_contiguous(), so generate()'s .contiguous() keeps it); it is host metadata that
+# torch.compile guards on, so the route is decided without reading the mask. Any other mask (padding, a
+# caller's 4-D mask, a copy) lacks it and runs SDPA.
+_PREFIX_STRIDE = 0x0AD5_1DE5
 # When a list, hf_attention_forward appends the route of each call (benchmarks and tests read it; eager only).
 ROUTE_LOG: list[str] | None = None
 
 
 def _ops_adv_mask(*args: Any, **kwargs: Any) -> Any:
-    """transformers' SDPA mask, noting whether it is a plain causal mask over cache slots."""
+    """transformers' SDPA mask; a plain causal mask over cache slots comes back marked (`_PREFIX_STRIDE`)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     mask = sdpa_mask(*args, **kwargs)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1 and mask.dtype == torch.bool:
+        kv_offset = kwargs.get("kv_offset", 0)
+        # attention_mask is the 2-D padding mask: transformers >= 5.2x's generate() passes None when it is all ones
         pure = (not args and kwargs.get("attention_mask") is None and not kwargs.get("use_vmap")
                 and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-                and kwargs.get("local_size") is None and not isinstance(kwargs.get("kv_offset", 0), torch.Tensor)
-                and kwargs.get("kv_offset", 0) == 0 and mask.dtype == torch.bool)
-        key = (mask.shape[-2], mask.shape[-1])
-        _PREFIX_MASKS[key] = pure and _PREFIX_MASKS.get(key, True)  # a shape seen both ways stays False
+                and kwargs.get("local_size") is None and not isinstance(kv_offset, torch.Tensor) and kv_offset == 0)
+        if pure:
+            mask = mask.contiguous()
+            mask = mask.as_strided(mask.shape, (mask.stride(0), _PREFIX_STRIDE, mask.stride(2), mask.stride(3)))
     return mask
 
 
 def _clear_masks(module: nn.Module, args: Any) -> None:
-    _PREFIX_MASKS.clear()
+    """No-op: a forward pre-hook older conversions registered (kept so their pickles load)."""
 
 
 def _register() -> "_Registered":
@@ -77,7 +80,7 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
     if config is None or not hasattr(config, "_attn_implementation"):
         return []
     try:
-        from transformers import AttentionInterface, PreTrainedModel
+        from transformers import AttentionInterface  # noqa: F401 (transformers is importable)
     except ImportError:
         return [{"module": "", "type": "attention", "converted": "no", "why": "transformers is not importable"}]
     model.__dict__["_ops_adv_attention"] = _register()
@@ -96,9 +99,6 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
         c = getattr(sub, "config", None)
         if c is not None and getattr(c, "_attn_implementation", None) == before:
             c._attn_implementation = "ops_adv"
-        if isinstance(sub, PreTrainedModel) and not getattr(sub, "_ops_adv_mask_hook", False):  # models make masks
-            sub.register_forward_pre_hook(_clear_masks)
-            sub._ops_adv_mask_hook = True
     return [{"module": "", "type": "attention", "converted": "yes",
              "why": f"transformers attention '{before}' -> 'ops_adv' (decode steps with a static cache or grouped "
                     "K/V heads run decode_attention; masks, dropout, GQA prefill run SDPA)"}]
@@ -108,14 +108,16 @@ def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: tor
     """(usable, seq_lens) for a decode call, read on the device (no host sync).
 
     Without a mask every key slot is valid (seq_lens None). With one of ops_adv's plain causal masks
-    the last query row allows slots [0, seq_len): its count is seq_len. Any other mask (padding, a
-    caller's 4-D mask, sliding windows) cannot be told apart from a prefix without a sync: SDPA then.
+    (marked by `_PREFIX_STRIDE`) the last query row allows slots [0, seq_len): its count is seq_len.
+    Any other mask (padding, a caller's 4-D mask, sliding windows) cannot be told apart from a prefix
+    without a sync: SDPA then. Left padding allows [pad, len), which decode_attention cannot express.
     """
     B, Sq, Skv = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is None:
         return Sq == Skv or Sq == 1, None  # SDPA's is_causal is top-left aligned: only equal lengths agree
     if attention_mask.dim() != 4 or tuple(attention_mask.shape[-2:]) != (Sq, Skv) \
-            or not _PREFIX_MASKS.get((Sq, Skv), False) or attention_mask.shape[0] not in (1, B):
+            or attention_mask.shape[1] != 1 or attention_mask.stride(1) != _PREFIX_STRIDE \
+            or attention_mask.dtype != torch.bool or attention_mask.shape[0] not in (1, B):
         return False, None
     seq = attention_mask[:, 0, -1, :].sum(-1, dtype=torch.int32)
     return True, seq.expand(B).contiguous() if seq.shape[0] != B else seq

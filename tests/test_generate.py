@@ -1,0 +1,138 @@
+"""model.generate(..., cache_implementation="static") on converted Llama/Qwen2/Mistral: greedy tokens equal the
+unconverted model's (fp32, CPU), eager and under torch.compile; decode steps run decode_attention where the mask
+is a plain prefix (no padding), SDPA with left padding (decode_attention has no per-sequence start)."""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import ops_adv
+from ops_adv.models import hf as _convert
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("ops_adv.ops.decode_attention")
+
+LAYERS, NEW = 2, 16
+assert ops_adv.ops.attention.DECODE_MAX_QUERY < 20
+
+
+def _drops_all_ones_mask() -> bool:
+    """transformers' generate() passes no 2-D mask when it is all ones (5.2x); 5.17 passes the ones on."""
+    from transformers.generation.utils import GenerationMixin
+
+    return 'model_kwargs["attention_mask"] = None' in inspect.getsource(GenerationMixin)
+
+
+def _model(family: str):
+    import transformers as t
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+    if family == "mistral":
+        kw["sliding_window"] = None
+    cfg = getattr(t, f"{family.capitalize()}Config")(**kw)
+    return getattr(t, f"{family.capitalize()}ForCausalLM")(cfg).eval()
+
+
+def _batch(padded: bool):
+    # 20 > DECODE_MAX_QUERY: the prefill never runs decode_attention, so its calls count decode steps
+    ids = torch.randint(1, 256, (3, 20), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if padded:  # left padding, two lengths
+        mask[0, :6] = 0
+        mask[2, :1] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              cache_implementation="static", pad_token_id=0)
+
+
+def _decode_op_calls(fn) -> tuple[object, int]:
+    """fn()'s result and how many times the ops_adv::decode_attention operator ran (the profiler sees it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "ops_adv::decode_attention")
+
+
+@pytest.fixture
+def no_table():
+    ops_adv.load_table("")
+    yield
+    ops_adv.load_table("")
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones", "left-padded"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_generate_static_cache_matches_and_routes(no_table, family, padded):
+    ref = _model(family)
+    model = ops_adv.convert_model(copy.deepcopy(ref))
+    ids, mask = _batch(padded)
+    want = _generate(ref, ids, mask)
+    _convert.ROUTE_LOG = routes = []
+    try:
+        got = _generate(model, ids, mask)
+    finally:
+        _convert.ROUTE_LOG = None
+    assert got.shape[1] == ids.shape[1] + NEW
+    assert torch.equal(got, want)
+    decode = routes[LAYERS:]  # the prefill's calls come first
+    assert len(decode) == (NEW - 1) * LAYERS
+    if padded or not _drops_all_ones_mask():  # valid keys [pad, len) or an unread 2-D mask: not a prefix
+        assert set(decode) == {"sdpa"}, set(decode)
+    else:
+        assert decode == ["decode_attention"] * len(decode)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones", "left-padded"])
+def test_generate_compiled_matches_and_routes(no_table, padded, monkeypatch):
+    """The same under torch.compile (aot_eager): the route is decided from mask metadata, so the compiled
+    decode step runs the decode_attention operator without reading the mask on the host. (Without a table
+    the op would trace as torch's SDPA: OPS_ADV_COMPILE_OPERATORS=1 keeps the operator visible.)"""
+    monkeypatch.setenv("OPS_ADV_COMPILE_OPERATORS", "1")
+    ref = _model("llama")
+    model = ops_adv.convert_model(copy.deepcopy(ref))
+    ids, mask = _batch(padded)
+    want = _generate(ref, ids, mask)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=False)
+    try:
+        _generate(model, ids, mask)  # compiles prefill and decode step
+        got, calls = _decode_op_calls(lambda: _generate(model, ids, mask))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+    if padded or not _drops_all_ones_mask():
+        assert calls == 0
+    else:
+        assert calls == (NEW - 1) * LAYERS
+
+
+def test_marked_mask_survives_contiguous_and_copies_lose_it(no_table):
+    """The prefix mark is metadata of a size-1 dimension: .contiguous() keeps it, a clone or a caller's mask has
+    none (so those run SDPA, whatever their values)."""
+    from transformers.masking_utils import causal_mask_function
+
+    m = _convert._ops_adv_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0,
+                               mask_function=causal_mask_function, attention_mask=None, allow_is_causal_skip=False)
+    assert m.stride(1) == _convert._PREFIX_STRIDE and m.is_contiguous() and m.contiguous() is m
+    assert m[:, 0, -1].sum(-1).tolist() == [5, 5]
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
+    ok, lens = _convert._decode_seq_lens(q, k, m)
+    assert ok and lens.tolist() == [5, 5]
+    fresh = torch.arange(8).lt(5).expand(2, 1, 1, 8).contiguous()  # the same values, made by a caller
+    assert torch.equal(fresh, m) and _convert._decode_seq_lens(q, k, fresh)[0] is False
+    padded = _convert._ops_adv_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0,
+                                    mask_function=causal_mask_function, attention_mask=torch.ones(2, 5, dtype=torch.bool),
+                                    allow_is_causal_skip=False)
+    assert padded.stride(1) != _convert._PREFIX_STRIDE
+    assert _convert._decode_seq_lens(q, k, padded)[0] is False
