@@ -73,10 +73,15 @@ def test_a_tuner_paused_past_its_lease_leaves_the_problem_to_the_one_that_took_i
         engine = db.make_engine(url)
 
         def b_took_over():
-            """tuner B to take A's leases over (and so mark A's run interrupted)"""
+            """tuner B to hold a lease A held (A's run marked interrupted is not enough: A's heartbeat may
+            renew a lease B has not claimed yet, and then A rightly keeps that problem)"""
+            from db.models import Lease
+
             with Session(engine) as s:
                 runs = s.scalars(select(db.Run).order_by(db.Run.id)).all()
-                return len(runs) == 2 and runs[0].status == "interrupted"
+                if len(runs) != 2 or runs[0].status != "interrupted":
+                    return False
+                return s.scalars(select(Lease).where(Lease.run_id == runs[1].id)).first() is not None
 
         _until(b_took_over)
         os.kill(a.pid, signal.SIGCONT)
