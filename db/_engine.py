@@ -59,6 +59,45 @@ def classify(e: BaseException, url: str, doing: str = "use") -> "DatabaseError":
     return DatabaseError(f"cannot {doing} {where}: {reason}")
 
 
+def driver_error(e: BaseException) -> BaseException | None:
+    """The database driver's (or the OS's) error behind `e`: SQLAlchemy and optuna wrap it, optuna's in a vague
+    StorageInternalError whose cause is the SQLAlchemy error. None when `e` is not a database error."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    found = None
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, SQLAlchemyError):
+            found = getattr(cur, "orig", None) or cur
+            break
+        if type(cur).__name__ == "StorageInternalError" and found is None:
+            found = cur
+        cur = cur.__cause__ or cur.__context__
+    return found
+
+
+_FULL = ("database or disk is full", "no space left", "disk full", "diskfull", "could not extend file", "file too large",
+         "disk i/o error", "quota", "could not write")
+
+
+def write_error(e: BaseException, url: str, run_state: str) -> DatabaseError:
+    """One line for a database error in the middle of a run: what failed, where, what to do and the run's state."""
+    orig = driver_error(e) or e
+    first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None)
+    reason = redact(first + (f" ({code})" if code else ""), url)[:200]
+    where = f"the database {redact(url)}"
+    if any(k in reason.lower() for k in _FULL):
+        fix = "its disk is full or refuses writes: free space there (or pass --db with another database) and re-run the same command to resume"
+    elif not normalize(url).startswith("sqlite") and any(k in reason.lower() for k in ("connect", "server", "timeout", "terminat")):
+        fix = "the server went away: check that it runs, then re-run the same command to resume"
+    else:
+        fix = "fix the database, then re-run the same command to resume"
+    return DatabaseError(f"writing to {where} failed: {reason}; {fix}; {run_state}")
+
+
 _KEY_VALUE = re.compile(r"(^|\s)[A-Za-z_]+\s*=")  # libpq's "host=... dbname=... password=..."
 _DB_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 

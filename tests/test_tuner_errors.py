@@ -123,3 +123,38 @@ def test_redact_hides_only_the_password_of_a_url_inside_prose(pw):
     # a single URL whose password holds a space is still hidden whole
     assert "s3cretPW" not in redact("postgresql://me:a s3cretPW@h/d") and "s3cretPW" not in redact("p g://me:a s3cretPW@h/d")
     assert "s3cretPW" not in redact("postgresql://me@h/d?sslmode=disable&password=a s3cretPW&x=1")
+
+
+_FILL_DISK = """
+import os, resource, signal, sys
+import tuner.leases as leases
+_start = leases.Leases.start
+def start(self):  # once the run is recorded, no database file may grow past its size now (Ray's own files are spared)
+    _start(self)
+    db = os.environ["FULL_DB"]
+    size = max([os.path.getsize(f) for f in (db, db + "-wal") if os.path.exists(f)] + [1 << 16]) + 4096
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+leases.Leases.start = start
+from tuner.cli import tune_main
+sys.exit(tune_main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.ray
+def test_a_full_disk_is_one_line_and_the_run_is_marked_failed(tmp_path):
+    path = tmp_path / "db.sqlite"
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps({"gemm": [{"M": 64, "N": 64, "K": 64}, {"M": 32, "N": 32, "K": 32}]}))
+    env = {**os.environ, "FULL_DB": str(path), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    p = subprocess.run([sys.executable, "-c", _FILL_DISK, "--device", "cpu", "--ops", "gemm", "--shapes", str(shapes),
+                        "--trials", "4", "--db", f"sqlite:///{path}", "--impls", "torch_matmul", "--progress", "plain"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    err = p.stderr
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert p.returncode == 2 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+    line = errors[0]
+    assert line.startswith("opsadv-tune: error: writing to the database sqlite:///") and str(path) in line, line
+    assert "disk is full" in line and "re-run the same command to resume" in line and "run 1 is marked failed" in line, line
+    with Session(db.make_engine(f"sqlite:///{path}", must_exist=True)) as s:
+        assert [r.status for r in s.scalars(select(db.Run))] == ["failed"]

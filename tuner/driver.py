@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 import kernel_space
 from db import Device, Run, normalize, open_db, redact
+from db._engine import driver_error, write_error
 from db.models import utcnow
 from kernel_space import OpsAdvError, get_op, impls, problem_key
 from workers.measure import OK, PRUNED
@@ -115,6 +116,14 @@ class Tuner(StudySetup, Winners):
 
     # ---- set-up -------------------------------------------------------------------------------
     def run(self) -> list[dict]:
+        try:
+            return self._run_all()
+        except Exception as e:
+            if isinstance(e, OpsAdvError) or driver_error(e) is None:
+                raise
+            raise self._write_error(e) from None  # one line, never the driver's chain of tracebacks
+
+    def _run_all(self) -> list[dict]:
         o = self.o
         placement = check_device(o.device, o.ray_address is not None)
         if o.ray_address:
@@ -199,13 +208,46 @@ class Tuner(StudySetup, Winners):
             raise
         finally:
             self.leases.stop()
-            with Session(self.engine) as s:
-                self.leases.release_all(s)
-                run = s.get(Run, self.run_id)
-                run.status = status
-                run.finished_at = utcnow()
-                s.commit()
+            self.final_status = status
+            self.status_error = self._record_status(status)
+        if self.status_error is not None:  # the run itself ended well
+            raise self.status_error
         return self.summary()
+
+    def _record_status(self, status: str) -> BaseException | None:
+        """Write the run's final state and free its leases; the error when even that cannot be written (on a full
+        SQLite disk a checkpoint may first make room in the write-ahead log)."""
+        err = None
+        for attempt in range(2):
+            try:
+                with Session(self.engine) as s:
+                    self.leases.release_all(s)
+                    run = s.get(Run, self.run_id)
+                    run.status = status
+                    run.finished_at = utcnow()
+                    s.commit()
+                return None
+            except Exception as e:  # a full disk, a server gone: reported by run()
+                err = e
+                if attempt or not self.engine.url.drivername.startswith("sqlite"):
+                    break
+                try:
+                    with self.engine.connect() as c:
+                        c.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                except Exception:
+                    break
+        return err
+
+    def _write_error(self, e: BaseException) -> OpsAdvError:
+        run_id = getattr(self, "run_id", None)
+        if run_id is None:
+            state = "no run was recorded"
+        elif getattr(self, "status_error", None) is None:
+            state = f"run {run_id} is marked failed"
+        else:
+            state = (f"run {run_id} could not be marked {getattr(self, 'final_status', 'failed')} either: it shows as running until the next opsadv-tune on this "
+                     f"database marks it interrupted")
+        return write_error(e, self.o.db_url, state)
 
     def _prepare(self, fingerprint: dict) -> list[tuple[str, Any]]:
         """The problems to tune, duplicates merged, each checked to fit the device."""
