@@ -186,17 +186,19 @@ def _command(argv: list[str] | None) -> str:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    ap = _Parser(prog="opsadv-export", description="Write the winners for a device as a table file and a Dockerfile snippet.")
+    ap = _Parser(prog="opsadv-export", description="Write the winners for a device as a table file and a Dockerfile for a runtime-only image.")
     ap.add_argument("--device", required=True)
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--db", help="database URL (default: OPS_ADV_DB or the default SQLite file)")
+    ap.add_argument("--wheel", action="store_true",
+                    help="also build ops-adv's wheel into the folder (pip wheel --no-deps) and install that in the image")
     args = ap.parse_args(argv)
 
     def body() -> int:
         from .export import export
 
-        table, docker, n = export(args.device, args.out, args.db or _db_default())
-        print(f"wrote {n} winner(s) to {table} and {docker}")
+        table, docker, n = export(args.device, args.out, args.db or _db_default(), with_wheel=args.wheel)
+        print(f"wrote {n} winner(s) to {table} and {docker}; build: docker build -f {docker} {docker.parent}")
         return 0
 
     return _run("opsadv-export", body)

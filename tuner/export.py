@@ -1,4 +1,4 @@
-"""Export winners as a read-only table file plus a Dockerfile snippet that ships it."""
+"""Export winners as a read-only table file plus a Dockerfile that builds a runtime-only image around it."""
 from __future__ import annotations
 
 import json
@@ -59,7 +59,7 @@ def _ordered(op: str, problem: dict) -> dict:
         return problem
 
 
-def export(device: str, out_dir: str, db_url: str) -> tuple[Path, Path, int]:
+def export(device: str, out_dir: str, db_url: str, with_wheel: bool = False) -> tuple[Path, Path, int]:
     rows = _rows(device, db_url)
     if not rows:
         raise OpsAdvError(f"the database has no winners for {device}; run opsadv-tune --device {device} first")
@@ -96,9 +96,61 @@ def export(device: str, out_dir: str, db_url: str) -> tuple[Path, Path, int]:
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.chmod(tmp, 0o444)
     os.replace(tmp, table)  # atomic: a reader never sees half a table
-    docker.write_text(
-        f"# Tuned kernels for {device} from ops-adv ({len(winners)} problems); add to your image's Dockerfile.\n"
+    wheel = _build_wheel(out) if with_wheel else None
+    docker.write_text(dockerfile(device, len(winners), wheel))
+    return table, docker, len(winners)
+
+
+BASE_IMAGE = "pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime"  # any image with torch>=2.11: --build-arg BASE=...
+
+
+def dockerfile(device: str, n: int, wheel: str | None) -> str:
+    """A Dockerfile whose build context is the exported folder: torch from the base, the ops-adv runtime alone
+    (no extras: no Ray, Optuna or SQLAlchemy), the table, OPS_ADV_TABLE pointing at it."""
+    if wheel:
+        install = (f"COPY {wheel} /tmp/{wheel}\n"
+                   f"RUN python -m pip install --no-cache-dir /tmp/{wheel} && rm /tmp/{wheel}\n")
+    else:
+        install = ("# ops-adv itself: OPS_ADV is any pip requirement (opsadv-export --wheel puts a wheel here and installs that)\n"
+                   "ARG OPS_ADV=ops-adv\n"
+                   'RUN python -m pip install --no-cache-dir "$OPS_ADV"\n')
+    return (
+        f"# Runtime image with the tuned kernels for {device} from ops-adv ({n} problems).\n"
+        f"# Build with this folder as the context: docker build -f Dockerfile.opsadv -t IMAGE .\n"
+        f"ARG BASE={BASE_IMAGE}\n"
+        f"FROM $BASE\n"
+        f"{install}"
         f"COPY {TABLE_NAME} /opt/ops-adv/{TABLE_NAME}\n"
         f"ENV OPS_ADV_TABLE=/opt/ops-adv/{TABLE_NAME}\n"
     )
-    return table, docker, len(winners)
+
+
+def _build_wheel(out: Path) -> str:
+    """ops-adv's wheel built from its source (pip wheel --no-deps) into `out`; its name."""
+    import subprocess
+    import sys
+
+    import ops_adv
+
+    src = Path(ops_adv.__file__).resolve().parents[1]
+    if not (src / "pyproject.toml").is_file():
+        raise OpsAdvError(f"--wheel builds ops-adv from its source, and this ops-adv ({src}) has none; "
+                          f"leave --wheel out and set --build-arg OPS_ADV=... to a pip requirement instead")
+    for old in out.glob("ops_adv-*.whl"):
+        old.unlink()
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # a copy: the build leaves no build/ or egg-info in the source
+        for name in ("pyproject.toml", "README.md", "ops_adv", "kernel_space", "tuner", "workers", "db"):
+            if (src / name).is_dir():
+                shutil.copytree(src / name, Path(tmp) / name, ignore=shutil.ignore_patterns("__pycache__"))
+            elif (src / name).exists():
+                shutil.copy2(src / name, Path(tmp) / name)
+        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "--wheel-dir",
+                            str(out.resolve()), tmp], capture_output=True, text=True)
+    wheels = sorted(out.glob("ops_adv-*.whl"))
+    if r.returncode or len(wheels) != 1:
+        last = (r.stderr.strip().splitlines() or ["no wheel written"])[-1]
+        raise OpsAdvError(f"pip wheel of {src} failed: {last[:300]}")
+    return wheels[0].name
