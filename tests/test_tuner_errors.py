@@ -158,3 +158,75 @@ def test_a_full_disk_is_one_line_and_the_run_is_marked_failed(tmp_path):
     assert "disk is full" in line and "re-run the same command to resume" in line and "run 1 is marked failed" in line, line
     with Session(db.make_engine(f"sqlite:///{path}", must_exist=True)) as s:
         assert [r.status for r in s.scalars(select(db.Run))] == ["failed"]
+
+
+def _live_descendants(root: int) -> dict[int, str]:
+    """pid -> command of every live (not zombie) process below `root`."""
+    kids: dict[int, list[int]] = {}
+    state: dict[int, tuple[str, str]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    head, rest = f.read().rsplit(")", 1)
+            except OSError:
+                continue
+            fields = rest.split()
+            kids.setdefault(int(fields[1]), []).append(int(name))
+            state[int(name)] = (fields[0], head.split("(", 1)[1])
+    out, todo = {}, [root]
+    while todo:
+        for c in kids.get(todo.pop(), ()):
+            todo.append(c)
+            if state[c][0] not in "ZX":
+                try:
+                    with open(f"/proc/{c}/cmdline", "rb") as f:
+                        out[c] = f.read().replace(b"\0", b" ").decode(errors="replace")[:200] or state[c][1]
+                except OSError:
+                    continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.ray
+def test_a_killed_tuner_leaves_no_ray_process_behind(tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps({"gemm": [{"M": 64, "N": 64, "K": 64}]}))
+    code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    p = subprocess.Popen([sys.executable, "-c", code, "--device", "cpu", "--ops", "gemm", "--shapes", str(shapes), "--trials", "30",
+                          "--db", url, "--plugin", "plugins.slow", "--impls", "slow_matmul", "--progress", "plain"],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ray_pids: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and p.poll() is None:  # the measuring actor runs: every agent has started
+            time.sleep(0.5)
+            ray_pids.update(_live_descendants(p.pid))
+            if any("Measurer" in c for c in ray_pids.values()) and any("Agent" in c for c in ray_pids.values()):
+                break
+        assert any("raylet" in c for c in ray_pids.values()), ray_pids
+        os.kill(p.pid, signal.SIGKILL)  # the tuner alone, as an OOM killer or a user would
+        p.wait(30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(q) for q in ray_pids):
+            time.sleep(0.2)
+        left = {q: c for q, c in ray_pids.items() if _alive(q)}
+        assert not left, left
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        for q in ray_pids:  # this test's own processes only
+            try:
+                if _alive(q):
+                    os.kill(q, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -250,7 +250,38 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
         if isinstance(e, (ConnectionError, RuntimeError, ValueError, TimeoutError)):
             raise ClusterError(f"cannot join the Ray cluster at {address or 'a local instance'}: {str(e).strip().splitlines()[0][:300]}") from None
         raise e
+    if not address:
+        _start_reaper()
     return True
+
+
+_REAPER: Any = None
+
+
+def _start_reaper() -> None:
+    """A watcher that kills this local Ray's processes once this process is gone (kill -9 included): tuner/_reaper.py."""
+    global _REAPER
+    import subprocess
+
+    try:
+        node = ray._private.worker._global_node
+        pids = [i.process.pid for infos in node.all_processes.values() for i in infos if getattr(i, "process", None)]
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")  # stdlib only: not the package
+        _REAPER = subprocess.Popen([sys.executable, "-I", script, *map(str, pids)], stdin=subprocess.PIPE, start_new_session=True)
+    except Exception:  # Ray's internals moved, or no /proc: Ray's own clean-up is left
+        _REAPER = None
+
+
+def stop_reaper() -> None:
+    """After ray.shutdown(): the watcher kills whatever is left and exits."""
+    global _REAPER
+    if _REAPER is not None:
+        _REAPER.stdin.close()
+        try:
+            _REAPER.wait(10)
+        except Exception:
+            pass
+        _REAPER = None
 
 
 JOIN_TIMEOUT_S = 45.0

@@ -166,7 +166,10 @@ class Tuner(StudySetup, Winners):
             if owned:
                 import ray
 
+                from ._pool import stop_reaper
+
                 ray.shutdown()
+                stop_reaper()
 
     def _run(self) -> list[dict]:
         o = self.o
