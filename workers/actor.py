@@ -21,7 +21,7 @@ class Measurer:
                 sys.path.insert(0, p)
         for mod in plugins or []:
             importlib.import_module(mod)
-        from .measure import Bench
+        from .measure import WARM_S, Bench
 
         if threads:
             # Ray's num_cpus=1 sets OMP_NUM_THREADS=1 here; measure with the threads a production process uses.
@@ -36,7 +36,7 @@ class Measurer:
             torch.cuda.set_device(0)
             device = "cuda:0"
         self.device = device
-        self.bench = Bench(device, accuracy)
+        self.bench = Bench(device, accuracy, warm_s=WARM_S)  # its first timing warms up by time
         self.ahead = None
         if compile_workers and device.startswith("cuda"):
             from .compile_ahead import CompileAhead
