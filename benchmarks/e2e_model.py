@@ -270,7 +270,14 @@ class Case:
 
 
 def capture(fn: Callable[[], torch.Tensor], prep: Callable[[], Any] | None) -> Callable[[], torch.Tensor]:
-    """fn captured in a CUDA graph (warmed up on a side stream first); replay returns the graph's output."""
+    """fn captured in a CUDA graph (warmed up on a side stream first); replay returns the graph's output.
+
+    The replay keeps fn and prep, and so everything they reach (the model, its cache, the input
+    token), alive: a graph holds addresses, not tensors. decode_step.py dropped its 4-layer model
+    once the 1-layer one was built; the 1-layer capture's empty_cache() gave the memory back to the
+    driver, and the 4-layer replays read it (illegal address on the H200, or a device-side assert
+    when freed input ids were reused and read as token ids).
+    """
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -290,6 +297,7 @@ def capture(fn: Callable[[], torch.Tensor], prep: Callable[[], Any] | None) -> C
         return out
 
     replay.graph = graph  # keep it alive
+    replay.keep = (fn, prep)  # and what the graph reads (see above)
     return replay
 
 

@@ -282,6 +282,22 @@ def test_first_call_reaches_classification_through_bench():
     assert not first["context_lost"] and not later["context_lost"]
 
 
+def test_an_invalidated_capture_is_named_and_replaces_the_worker():
+    """The H200's words (torch 2.11) for a capture a host sync invalidated, read by whichever CUDA call came next:
+    wherever such an error reaches the gate, the record says it was a capture failure and the worker is replaced."""
+    text = "CUDA error: operation failed due to a previous error during capture"
+    assert classify(RuntimeError(text), "cpu") == ("runtime_error", True)
+    assert classify(RuntimeError("CUDA error: operation not permitted when stream is capturing")) == ("runtime_error", True)
+
+    @register("reads_capture_error")
+    def reads_capture_error(a, b):
+        raise RuntimeError(text)
+
+    res = Bench("cpu").run(trial("reads_capture_error"))
+    assert res["status"] == "runtime_error" and res["context_lost"] is True
+    assert res["error"].startswith("CUDA graph capture failed: ") and "during capture" in res["error"], res
+
+
 def test_context_is_never_lost_off_cuda():
     assert classify(ValueError("x"), "cpu") == ("runtime_error", False)
     assert classify(RuntimeError("CUDA error: an illegal memory access was encountered"), "cpu") == ("runtime_error", True)

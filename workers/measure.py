@@ -22,6 +22,8 @@ OK, PRUNED, COMPILE_ERROR, OUT_OF_RESOURCES, WRONG_RESULT, RUNTIME_ERROR, TIMEOU
     "ok", "pruned", "compile_error", "out_of_resources", "wrong_result", "runtime_error", "timeout", "crashed",
 )
 _FATAL_CUDA = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address")
+# CUDA's words for a capture that a forbidden call invalidated; later calls of the process read the same error
+_CAPTURE_CUDA = ("during capture", "when stream is capturing", "cudaErrorStreamCapture", "stream capture")
 INPUT_SEED = 1234  # the inputs trials are checked and timed on
 
 
@@ -48,7 +50,7 @@ def classify(exc: BaseException, device: torch.device | str | None = None, *, fi
     name, module = type(exc).__name__, type(exc).__module__ or ""
     text = f"{name}: {exc}"
     low = text.lower()
-    if any(s in text for s in _FATAL_CUDA):
+    if any(s in text for s in _FATAL_CUDA + _CAPTURE_CUDA):
         return RUNTIME_ERROR, True
     lost = device is not None and not context_alive(device)
     if "OutOfResources" in name or "out of resource" in low:
@@ -134,12 +136,15 @@ def check_graph(fn: Callable[..., Any], args: tuple, attrs: dict, ref: Any, *, d
     is raised.
     """
     device = torch.device(device)
+    stream = torch.cuda.current_stream(device)
     try:
         return _capture_and_replay(fn, args, attrs, ref, device, replays)
     except Exception as exc:
         if any(f in str(exc) for f in _FATAL_CUDA):
             raise
         try:
+            # torch.cuda.graph's exit skips restoring the stream when capture_end raises
+            torch.cuda.set_stream(stream)
             torch.cuda.synchronize(device)
         except Exception:
             pass
@@ -334,7 +339,10 @@ class Bench:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise exc
         status, lost = classify(exc, self.device, first_call=first_call)
-        return {"status": status, "error": short_error(exc), "context_lost": lost}
+        error = short_error(exc)
+        if any(s in error for s in _CAPTURE_CUDA):  # however it got here, say what it was
+            error = f"CUDA graph capture failed: {error}"
+        return {"status": status, "error": error, "context_lost": lost}
 
 
 def fingerprint(device: str) -> dict[str, Any]:
