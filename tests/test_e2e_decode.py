@@ -102,13 +102,24 @@ def test_decode_steps_call_decode_attention_with_valid_lengths(no_table, monkeyp
     assert all(s[0] == 1 and s[1] == 16 and s[3] is False for s in seen)
 
 
-def test_padded_or_caller_masks_keep_sdpa(no_table):
-    """A 2-D padding mask can hide holes in the cache: those decode steps stay on SDPA, and still match eager."""
+def test_padding_masks_run_decode_attention_with_a_key_mask(no_table, monkeypatch):
+    """A 2-D padding mask (left padding, and a hole further on) reaches decode_attention as a key mask of the
+    keys it hides; the tokens equal eager's."""
+    from ops_adv.ops import decode_attention as mod
+
     ref = _llama()
     model = ops_adv.convert_model(copy.deepcopy(ref))
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[0, :2] = 0  # left padding
+    mask[1, 3] = 0  # a hole: a mask is not always a range
+    seen, real = [], mod.decode_attention
+
+    def spy(q, k, v, seq_lens=None, **kw):
+        seen.append(kw["key_mask"][:, :6].tolist())
+        return real(q, k, v, seq_lens, **kw)
+
+    monkeypatch.setattr(mod, "decode_attention", spy)
     _convert.ROUTE_LOG = routes = []
     try:
         with torch.no_grad():
@@ -118,4 +129,6 @@ def test_padded_or_caller_masks_keep_sdpa(no_table):
     with torch.no_grad():
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static")
     assert torch.equal(got, want)
-    assert routes and "decode_attention" not in routes
+    layers = model.config.num_hidden_layers
+    assert routes[layers:] == ["decode_attention"] * (3 * layers)  # after the prefill, every decode step
+    assert seen and all(s == mask.bool().tolist() for s in seen)

@@ -1,6 +1,6 @@
 """model.generate(..., cache_implementation="static") on converted Llama/Qwen2/Mistral: greedy tokens equal the
-unconverted model's (fp32, CPU), eager and under torch.compile; decode steps run decode_attention where the mask
-is a plain prefix (no padding), SDPA with left padding (decode_attention has no per-sequence start)."""
+unconverted model's (fp32, CPU), eager and under torch.compile; decode steps run decode_attention, with a key mask
+where the 2-D mask pads (left padding, or transformers 5.17's all-ones mask)."""
 from __future__ import annotations
 
 import copy
@@ -17,13 +17,6 @@ pytest.importorskip("ops_adv.ops.decode_attention")
 
 LAYERS, NEW = 2, 16
 assert ops_adv.ops.attention.DECODE_MAX_QUERY < 20
-
-
-def _drops_all_ones_mask() -> bool:
-    """transformers' generate() passes no 2-D mask when it is all ones (5.2x); 5.17 passes the ones on."""
-    from transformers.generation.utils import GenerationMixin
-
-    return 'model_kwargs["attention_mask"] = None' in inspect.getsource(GenerationMixin)
 
 
 def _model(family: str):
@@ -87,10 +80,7 @@ def test_generate_static_cache_matches_and_routes(no_table, family, padded):
     assert torch.equal(got, want)
     decode = routes[LAYERS:]  # the prefill's calls come first
     assert len(decode) == (NEW - 1) * LAYERS
-    if padded or not _drops_all_ones_mask():  # valid keys [pad, len) or an unread 2-D mask: not a prefix
-        assert set(decode) == {"sdpa"}, set(decode)
-    else:
-        assert decode == ["decode_attention"] * len(decode)
+    assert decode == ["decode_attention"] * len(decode), set(decode)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["all-ones", "left-padded"])
@@ -111,10 +101,7 @@ def test_generate_compiled_matches_and_routes(no_table, padded, monkeypatch):
     finally:
         torch._dynamo.reset()
     assert torch.equal(got, want)
-    if padded or not _drops_all_ones_mask():
-        assert calls == 0
-    else:
-        assert calls == (NEW - 1) * LAYERS
+    assert calls == (NEW - 1) * LAYERS
 
 
 def test_marked_mask_survives_contiguous_and_copies_lose_it(no_table):
@@ -127,12 +114,21 @@ def test_marked_mask_survives_contiguous_and_copies_lose_it(no_table):
     assert m.stride(1) == _convert._PREFIX_STRIDE and m.is_contiguous() and m.contiguous() is m
     assert m[:, 0, -1].sum(-1).tolist() == [5, 5]
     q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
-    ok, lens = _convert._decode_seq_lens(q, k, m)
+    ok, lens, key_mask = _convert._decode_seq_lens(q, k, m)
+    assert key_mask is None
     assert ok and lens.tolist() == [5, 5]
     fresh = torch.arange(8).lt(5).expand(2, 1, 1, 8).contiguous()  # the same values, made by a caller
     assert torch.equal(fresh, m) and _convert._decode_seq_lens(q, k, fresh)[0] is False
+    pad = torch.ones(2, 5, dtype=torch.bool)
+    pad[1, :3] = False  # left padding of the second sequence
     padded = _convert._ops_adv_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0,
-                                    mask_function=causal_mask_function, attention_mask=torch.ones(2, 5, dtype=torch.bool),
-                                    allow_is_causal_skip=False)
-    assert padded.stride(1) != _convert._PREFIX_STRIDE
-    assert _convert._decode_seq_lens(q, k, padded)[0] is False
+                                    mask_function=causal_mask_function, attention_mask=pad, allow_is_causal_skip=False)
+    assert padded.stride(1) == _convert._PADDED_STRIDE
+    ok, lens, key_mask = _convert._decode_seq_lens(q, k, padded)
+    assert ok and lens.tolist() == [5, 5]
+    assert key_mask.tolist() == [[True] * 5 + [False] * 3, [False] * 3 + [True] * 2 + [False] * 3]
+    windowed = _convert._ops_adv_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0,
+                                      mask_function=causal_mask_function, attention_mask=pad, local_size=2,
+                                      allow_is_causal_skip=False)
+    assert windowed.stride(1) not in (_convert._PREFIX_STRIDE, _convert._PADDED_STRIDE)
+    assert _convert._decode_seq_lens(q, k, windowed)[0] is False

@@ -3,7 +3,8 @@
 One program loads the K/V blocks of its split once for HEADS_PER_PROGRAM query heads that
 share a K/V head (x Sq query rows, padded to a tl.dot tile) and keeps an online softmax in
 fp32. With one split it writes the output; with several it writes normalised partials and
-their log-sum-exp, and `_decode_combine` merges them.
+their log-sum-exp, and `_decode_combine` merges them. A key mask (one byte a key, read once per
+program for all its heads) hides keys inside the blocks.
 """
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ def _split_len(L, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_blocks(
-    acc, l_i, m_i, q, K, V,
-    stride_kn, stride_kd, stride_vn, stride_vd,
+    acc, l_i, m_i, q, K, V, KM,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
     lim, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
-    """Online softmax over key blocks [lo, hi). MASKED blocks may cross hi or a row's causal limit `lim`."""
+    """Online softmax over key blocks [lo, hi). MASKED blocks may cross hi or a row's causal limit `lim`;
+    with HAS_MASK, KM (this sequence's key mask) hides keys in every block."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -65,8 +68,11 @@ def _decode_blocks(
         qk = tl.dot(q, kt) * qk_scale  # scores in log2 units
         if MASKED:
             qk = tl.where(col_ok[None, :] & (cols[None, :] <= lim[:, None]), qk, float("-inf"))
+        if HAS_MASK:
+            keep = tl.load(KM + cols * stride_kmn, mask=cols < hi, other=0) != 0
+            qk = tl.where(keep[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED:
+        if MASKED or HAS_MASK:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -79,15 +85,16 @@ def _decode_blocks(
 
 @triton.jit
 def _decode_fwd(
-    Q, K, V, O, LENS, Part, Lse, qk_scale,
+    Q, K, V, O, LENS, KM, Part, Lse, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
+    stride_kmb, stride_kmn,
     Hq, Hkv, Sq, Skv,
     GROUP: tl.constexpr, HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_LENS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     pid_g = tl.program_id(0)  # fastest: programs of one K/V head run together and share it in L2
     pid_s = tl.program_id(1)
@@ -119,6 +126,7 @@ def _decode_fwd(
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     K += b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     V += b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    KM += b64 * stride_kmb
 
     # Keys below `safe` are visible to every row: blocks wholly below it need no mask.
     if CAUSAL:
@@ -133,12 +141,12 @@ def _decode_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, l_i, m_i = _decode_blocks(
-        acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-        lim, start, full, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+        acc, l_i, m_i, q, K, V, KM, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+        lim, start, full, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_MASK,
     )
     acc, l_i, m_i = _decode_blocks(
-        acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-        lim, full, end, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        acc, l_i, m_i, q, K, V, KM, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+        lim, full, end, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_MASK,
     )
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]  # a row that saw no key gives 0
@@ -187,7 +195,7 @@ def _decode_combine(
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None, causal: bool,
     BLOCK_N: int, num_splits: int, HEADS_PER_PROGRAM: int, num_warps: int, num_stages: int,
-    scale: float | None = None,
+    scale: float | None = None, key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     B, Hq, Sq, D = q.shape
     _, Hkv, Skv, _ = k.shape
@@ -200,18 +208,26 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(heads * Sq))
     qk_scale = _LOG2E * (scale if scale is not None else 1.0 / math.sqrt(D))
     lens = seq_lens if seq_lens is not None else out  # never read without seq_lens
+    if key_mask is not None:
+        if key_mask.shape != (B, Skv) or key_mask.dtype != torch.bool:
+            raise ValueError(f"decode_attention: key_mask must be bool of shape ({B}, {Skv}), not {key_mask.dtype} "
+                             f"of shape {tuple(key_mask.shape)}")
+        km = key_mask.view(torch.uint8)  # the same bytes, any strides (a view of a 4-D mask's last row)
+    else:
+        km = out  # never read without key_mask
     if num_splits > 1:
         part = torch.empty((B * Hq * Sq, num_splits, D), device=q.device, dtype=torch.float32)
         lse = torch.empty((B * Hq * Sq, num_splits), device=q.device, dtype=torch.float32)
     else:
         part = lse = out  # never touched with one split
     _decode_fwd[(group // heads, num_splits, B * Hkv)](
-        q, k, v, out, lens, part, lse, qk_scale,
+        q, k, v, out, lens, km, part, lse, qk_scale,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *(km.stride() if key_mask is not None else (0, 0)),
         Hq, Hkv, Sq, Skv,
         GROUP=group, HEADS=heads, NUM_SPLITS=num_splits,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        HAS_LENS=seq_lens is not None, CAUSAL=bool(causal),
+        HAS_LENS=seq_lens is not None, CAUSAL=bool(causal), HAS_MASK=key_mask is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -102,7 +102,8 @@ def triton_decode(
     num_warps: int = 4,
     num_stages: int = 2,
     scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention for q (B, Hq, Sq, D) against k, v (B, Hkv, Skv, D) of any strides; a new output."""
     return _kernels.decode_attention(q, k, v, seq_lens, causal, BLOCK_N, num_splits, HEADS_PER_PROGRAM,
-                                     num_warps, num_stages, scale=scale)
+                                     num_warps, num_stages, scale=scale, key_mask=key_mask)

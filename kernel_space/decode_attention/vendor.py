@@ -1,9 +1,9 @@
 """decode attention vendor kernels: F.scaled_dot_product_attention with enable_gqa (K/V heads shared,
 not copied by the fused backends), and on CUDA each of its backends as its own candidate.
 
-SDPA has no ragged lengths and aligns `is_causal` top-left, so a ragged or causal (Sq > 1) call
-gets a boolean mask built on the device from `seq_lens` (no host read); rows that see no key,
-NaN in SDPA, are zeroed as ours are.
+SDPA has no ragged lengths and aligns `is_causal` top-left, so a ragged, key-masked or causal
+(Sq > 1) call gets a boolean mask built on the device from `seq_lens` and `key_mask` (no host read);
+rows that see no key, NaN in SDPA, are zeroed as ours are.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from .problem import DecodeAttentionProblem
 
 
-def sdpa_decode(q, k, v, seq_lens=None, causal: bool = False, scale: float | None = None):
+def sdpa_decode(q, k, v, seq_lens=None, causal: bool = False, scale: float | None = None, key_mask=None):
     """Decode attention through SDPA (whichever backend is enabled): mask only when needed."""
     B, _, Sq, _ = q.shape
-    ok = visible(B, Sq, k.shape[2], seq_lens, causal, q.device)
+    ok = visible(B, Sq, k.shape[2], seq_lens, causal, q.device, key_mask)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, enable_gqa=True)
     if ok is not None:
         out = out.masked_fill(~ok.any(-1, keepdim=True), 0.0)
@@ -30,8 +30,8 @@ def sdpa_decode(q, k, v, seq_lens=None, causal: bool = False, scale: float | Non
 
 
 @register_vendor("decode_attention", "sdpa")
-def sdpa(q, k, v, seq_lens=None, causal: bool = False):
-    return sdpa_decode(q, k, v, seq_lens, causal)
+def sdpa(q, k, v, seq_lens=None, causal: bool = False, key_mask=None):
+    return sdpa_decode(q, k, v, seq_lens, causal, key_mask=key_mask)
 
 
 def _sdpa_backend(name: str):
@@ -39,15 +39,15 @@ def _sdpa_backend(name: str):
 
     backend = getattr(SDPBackend, name)
 
-    def run(q, k, v, seq_lens=None, causal: bool = False):
+    def run(q, k, v, seq_lens=None, causal: bool = False, key_mask=None):
         with sdpa_kernel(backend):
-            return sdpa_decode(q, k, v, seq_lens, causal)
+            return sdpa_decode(q, k, v, seq_lens, causal, key_mask=key_mask)
 
     return run
 
 
 def _needs_mask(p: DecodeAttentionProblem) -> bool:
-    return p.ragged or (p.causal and p.Sq > 1)
+    return p.ragged or p.masked or (p.causal and p.Sq > 1)
 
 
 def _half(p: DecodeAttentionProblem, name: str) -> str | None:
@@ -60,7 +60,7 @@ def _half(p: DecodeAttentionProblem, name: str) -> str | None:
 # math takes everything (it repeats K/V for grouped heads).
 def _check_flash(p: DecodeAttentionProblem, c) -> str | None:
     if _needs_mask(p):
-        return "flash backend takes no attn_mask (ragged lengths or causal with Sq > 1 need one)"
+        return "flash backend takes no attn_mask (ragged lengths, a key mask or causal with Sq > 1 need one)"
     if p.D > 256 or p.D % 8:
         return f"flash backend needs D <= 256 and a multiple of 8, not {p.D}"
     return _half(p, "flash")

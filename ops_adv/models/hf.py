@@ -25,27 +25,33 @@ from ..ops.swiglu import swiglu
 # Masks made by ops_adv's mask function that are plain causal masks over cache slots [0, seq_len) (no
 # padding, no window) carry this stride on their head dimension. That dimension has size 1, so its stride
 # changes nothing (not even is_contiguous(), so generate()'s .contiguous() keeps it); it is host metadata that
-# torch.compile guards on, so the route is decided without reading the mask. Any other mask (padding, a
-# caller's 4-D mask, a copy) lacks it and runs SDPA.
+# torch.compile guards on, so the route is decided without reading the mask. Causal masks and-ed with a 2-D
+# padding mask (left padding, or transformers 5.17's all-ones mask) carry `_PADDED_STRIDE`: their last query
+# row is the key mask. Any other mask (a window, a caller's 4-D mask, a copy) lacks both and runs SDPA.
 _PREFIX_STRIDE = 0x0AD5_1DE5
+_PADDED_STRIDE = 0x0AD5_1DE7
 # When a list, hf_attention_forward appends the route of each call (benchmarks and tests read it; eager only).
 ROUTE_LOG: list[str] | None = None
 
 
 def _ops_adv_mask(*args: Any, **kwargs: Any) -> Any:
-    """transformers' SDPA mask; a plain causal mask over cache slots comes back marked (`_PREFIX_STRIDE`)."""
+    """transformers' SDPA mask; a causal mask over cache slots comes back marked: `_PREFIX_STRIDE` without
+    padding, `_PADDED_STRIDE` with a 2-D padding mask."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     mask = sdpa_mask(*args, **kwargs)
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1 and mask.dtype == torch.bool:
         kv_offset = kwargs.get("kv_offset", 0)
+        causal = (not args and not kwargs.get("use_vmap")
+                  and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+                  and kwargs.get("local_size") is None and not isinstance(kv_offset, torch.Tensor) and kv_offset == 0)
         # attention_mask is the 2-D padding mask: transformers >= 5.2x's generate() passes None when it is all ones
-        pure = (not args and kwargs.get("attention_mask") is None and not kwargs.get("use_vmap")
-                and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-                and kwargs.get("local_size") is None and not isinstance(kv_offset, torch.Tensor) and kv_offset == 0)
-        if pure:
+        padding = kwargs.get("attention_mask")
+        marker = None if not causal else _PREFIX_STRIDE if padding is None else \
+            _PADDED_STRIDE if isinstance(padding, torch.Tensor) and padding.dim() == 2 else None
+        if marker is not None:
             mask = mask.contiguous()
-            mask = mask.as_strided(mask.shape, (mask.stride(0), _PREFIX_STRIDE, mask.stride(2), mask.stride(3)))
+            mask = mask.as_strided(mask.shape, (mask.stride(0), marker, mask.stride(2), mask.stride(3)))
     return mask
 
 
@@ -104,23 +110,31 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
                     "K/V heads run decode_attention; masks, dropout, GQA prefill run SDPA)"}]
 
 
-def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any]:
-    """(usable, seq_lens) for a decode call, read on the device (no host sync).
+def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any, Any]:
+    """(usable, seq_lens, key_mask) for a decode call, read on the device (no host sync).
 
     Without a mask every key slot is valid (seq_lens None). With one of ops_adv's plain causal masks
     (marked by `_PREFIX_STRIDE`) the last query row allows slots [0, seq_len): its count is seq_len.
-    Any other mask (padding, a caller's 4-D mask, sliding windows) cannot be told apart from a prefix
-    without a sync: SDPA then. Left padding allows [pad, len), which decode_attention cannot express.
+    With a causal mask and-ed with padding (`_PADDED_STRIDE`) the last query row is the key mask, and
+    seq_len is one past its last allowed slot (query i then sees keys <= seq_len - Sq + i where the key
+    mask allows). Any other mask (a caller's 4-D mask, sliding windows) cannot be told apart from these
+    without a sync: SDPA then.
     """
     B, Sq, Skv = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is None:
-        return Sq == Skv or Sq == 1, None  # SDPA's is_causal is top-left aligned: only equal lengths agree
+        return Sq == Skv or Sq == 1, None, None  # SDPA's is_causal is top-left aligned: only equal lengths agree
     if attention_mask.dim() != 4 or tuple(attention_mask.shape[-2:]) != (Sq, Skv) \
-            or attention_mask.shape[1] != 1 or attention_mask.stride(1) != _PREFIX_STRIDE \
+            or attention_mask.shape[1] != 1 or attention_mask.stride(1) not in (_PREFIX_STRIDE, _PADDED_STRIDE) \
             or attention_mask.dtype != torch.bool or attention_mask.shape[0] not in (1, B):
-        return False, None
-    seq = attention_mask[:, 0, -1, :].sum(-1, dtype=torch.int32)
-    return True, seq.expand(B).contiguous() if seq.shape[0] != B else seq
+        return False, None, None
+    row = attention_mask[:, 0, -1, :]
+    if attention_mask.stride(1) == _PREFIX_STRIDE:
+        seq = row.sum(-1, dtype=torch.int32)
+        return True, seq.expand(B).contiguous() if seq.shape[0] != B else seq, None
+    seq = (row * torch.arange(1, Skv + 1, device=row.device, dtype=torch.int32)).amax(-1)
+    if row.shape[0] != B:
+        row, seq = row.expand(B, Skv), seq.expand(B).contiguous()
+    return True, seq, row
 
 
 # Keywords transformers passes to attention functions that change nothing in the attention itself.
@@ -204,14 +218,14 @@ def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     kwargs = {k: v for k, v in kwargs.items() if k in _INERT}  # the absent ones say nothing
     plain = not dropout and query.dim() == 4 and key.shape[0] == query.shape[0]
     if plain and Sq <= DECODE_MAX_QUERY and (attention_mask is not None or Hq != Hkv) and Hq % Hkv == 0:
-        ok, seq_lens = _decode_seq_lens(query, key, attention_mask)
+        ok, seq_lens, key_mask = _decode_seq_lens(query, key, attention_mask)
         if ok:
             from ..ops.decode_attention import decode_attention  # read at call time: tests spy on it
 
             log("decode_attention")
             default = scaling is None or scaling == query.shape[-1] ** -0.5  # None takes the kernels' path
             out = decode_attention(query, key, value, seq_lens, causal=bool(causal_flag and Sq > 1),
-                                   scale=None if default else scaling)
+                                   scale=None if default else scaling, key_mask=key_mask)
             return out.transpose(1, 2).contiguous(), None
     causal = bool(causal_flag and attention_mask is None and Sq > 1)
     if attention_mask is not None or dropout or Hq != Hkv or (scaling is not None and scaling != query.shape[-1] ** -0.5) \
