@@ -18,6 +18,7 @@
 set -u
 STAGES=(  # name | limit s | what it runs
   "tests-gpu      | 200 | GPU tests: Triton kernels, decode and fused ops, the ops under compile/graphs/autograd, a converted Llama"
+  "capture        | 420 | CUDA graph captures (issue 25): the gate's capture tests, the benchmarks' capture, decode_step.py's graph variants under compute-sanitizer (TABLE)"
   "sanitize       | 420 | compute-sanitizer memcheck: a converted Llama B=8 decode step in a CUDA graph, the decode kernels' tests"
   "decode         | 350 | benchmarks: decode_attention.py, gemm_decode.py (kernels vs vendor under CUDA graphs)"
   "fused          | 520 | benchmarks: fused_ops.py, rope.py, conv_bn_relu.py"
@@ -100,6 +101,17 @@ stage() {
     TSIG=INT step tests 195 python3 -m pytest -q -p no:cacheprovider --durations=15 tests/test_decode_attention.py \
       tests/test_gemm_decode.py tests/test_linear.py tests/test_fused_rowwise.py tests/test_rope.py tests/test_conv_bn_relu.py \
       tests/test_gpu_ops.py tests/test_e2e_decode.py tests/test_triton_gemm_attention.py tests/test_triton_norm_softmax_conv.py ;;
+  capture)
+    TSIG=INT step capture-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_bench_capture.py \
+      tests/test_capture_safety.py tests/test_measure.py -k "capture or graph"
+    local san tbl; san=$(find_sanitizer); tbl=$(table_or_none)
+    [ -z "$san" ] && { echo "== capture: compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"; return 2; }
+    # the case that asserted on the H200 (B=8, 8k), both graph variants, each model captured once: one process
+    TAIL=8 step decode-step-graphs 200 "$san" --tool memcheck --error-exitcode 9 --print-limit 50 \
+      --log-file "$D/memcheck-decode-step.%p.txt" python3 benchmarks/decode_step.py --parts layer --batches 8 \
+      --contexts 8192 --layers 2 --layer-variants eager+graph,converted+graph --rounds 1 --reps 2 --warmup 1 \
+      --in-process ${tbl:+--table "$tbl"} --out "$D"
+    grep -H "ERROR SUMMARY" "$D"/memcheck-*.txt | sed "s|$D/||" | tee "$D/summary.txt" ;;
   sanitize)
     local san; san=$(find_sanitizer)
     [ -z "$san" ] && { echo "== sanitize: compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"; return 2; }
