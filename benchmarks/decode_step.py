@@ -257,6 +257,7 @@ JOBS = {"bandwidth": job_bandwidth, "layer": job_layer, "generate": job_generate
 
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    e2e.arm_stack_dump(spec)
     args = argparse.Namespace(**spec["args"])
     e2e.limit_recompiles()
     torch.manual_seed(0)
@@ -313,6 +314,8 @@ def run_job(job: dict, args: Any, work: Path, deadline: float | None) -> dict:
     _, phase, err = e2e.last_running(progress)
     errline = next((ln.strip()[:240] for ln in reversed(tail) if "Error" in ln or "error:" in ln), "")
     how = f"timed out after {limit:.0f} s" if rc is None else f"process exited with {rc}"
+    if rc is None and e2e.hung_at(tail):
+        how += f", in {e2e.hung_at(tail)}"
     row["error"] = (f"{phase}: " if phase else "") + (err or (f"{how}: {errline}" if errline else how))
     log(f"  failed: {row['error']}")
     return row

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import faulthandler
 import inspect
 import json
 import os
@@ -614,8 +615,24 @@ def run_case(case: dict, args: Any, progress: Progress, skip: dict[str, str]) ->
     return row
 
 
+def arm_stack_dump(spec: dict) -> None:
+    """A child stopped at its limit first prints every thread's stack to stderr: a hang says where it hangs
+    (compile-ro(converted) at B=8 8k timed out in warm-up on the H200 with nothing more to go on)."""
+    if spec.get("limit"):
+        faulthandler.dump_traceback_later(max(1.0, spec["limit"] - 8), exit=False)
+
+
+def hung_at(tail: list[str]) -> str:
+    """The innermost frame of the main thread (listed last) in a stack dump within `tail`, or ''."""
+    heads = [i for i, ln in enumerate(tail) if "(most recent call first)" in ln]
+    if heads and heads[-1] + 1 < len(tail) and "File" in tail[heads[-1] + 1]:
+        return tail[heads[-1] + 1].strip()[:240]
+    return ""
+
+
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    arm_stack_dump(spec)
     args = argparse.Namespace(**spec["args"])
     args.prefill = [tuple(p) for p in args.prefill]
     args.qwen_prefill, args.qwen_decode = tuple(args.qwen_prefill), tuple(args.qwen_decode)
@@ -657,8 +674,8 @@ class Child:
     def run(spec: dict, limit: float, script: str | None = None) -> tuple[int | None, list[str]]:
         """`script --child SPEC` (default: this file) under `limit` seconds: (exit code or None, stderr's tail)."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(spec, f)
-        tail: collections.deque[str] = collections.deque(maxlen=40)
+            json.dump(dict(spec, limit=limit), f)
+        tail: collections.deque[str] = collections.deque(maxlen=160)  # a stack dump's main thread (up to 100 frames) too
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         p = Child.current = subprocess.Popen([sys.executable, script or str(Path(__file__).resolve()), "--child", f.name],
                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -720,6 +737,8 @@ def isolated(case: dict, args: Any, work: Path, deadline: float | None) -> dict:
         v, phase, err = last_running(progress)
         errline = next((ln.strip()[:240] for ln in reversed(tail) if "Error" in ln or "error:" in ln), "")
         how = f"timed out after {limit:.0f} s" if rc is None else f"process exited with {rc}"
+        if rc is None and hung_at(tail):
+            how += f", in {hung_at(tail)}"
         why = err or (f"{how}: {errline}" if errline else how)
         log(f"case {case['case']}: {why} (in {v or 'set-up'}{', ' + phase if phase else ''})")
         if v is None or v == "eager" or v in skip:
