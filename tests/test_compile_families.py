@@ -123,7 +123,8 @@ def test_converted_torchvision_compiles_whole(arch):
 
 @pytest.mark.skipif(bool(os.environ.get("OPS_ADV_LOW_CHILD")), reason="already the low-end run")
 def test_families_compile_under_the_oldest_supported_transformers():
-    """The same family tests under the oldest transformers pyproject admits (`make test` installs it in
+    """The same family tests, and generate()'s decode routing (its masks differ: 5.17 passes an all-ones 2-D
+    mask on), under the oldest transformers pyproject admits (`make test` installs it in
     .venv/low-transformers); this venv's own transformers is the newest end."""
     import subprocess
 
@@ -135,8 +136,9 @@ def test_families_compile_under_the_oldest_supported_transformers():
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
                              capture_output=True, text=True, env=env, check=True).stdout.strip()
     assert version != transformers.__version__, "the low end must differ from the venv's transformers"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", "compiles_whole_and_matches or decode_steps_compile_once"],
+    tests = [__file__, str(root / "tests" / "test_generate.py"), str(root / "tests" / "test_e2e_decode.py")]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
+                        "-k", "compiles_whole_and_matches or decode_steps_compile_once or generate or mask"],
                        capture_output=True, text=True, env=env, cwd=root, timeout=1500)
     assert r.returncode == 0, f"transformers {version}:\n{r.stdout[-4000:]}"
 
