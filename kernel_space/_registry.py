@@ -51,6 +51,17 @@ class OpSpec:
     choices: Mapping[str, tuple] = field(default_factory=dict)  # allowed values of categorical fields
     # Dims that stream in production (tokens, batch, decode length): bucketed for the table and for tuning.
     streaming: tuple[str, ...] = ()
+    # Fields whose value changes what a call computes but not which configuration suits it: a problem the
+    # table has no winner for takes the winner of its twin with these values (every implementation takes both).
+    twins: Mapping[str, Any] = field(default_factory=dict)
+
+    def twin(self, problem: tuple) -> tuple | None:
+        """`problem` with its `twins` fields set to their twin values, or None when that changes nothing."""
+        if not self.twins:
+            return None
+        fields = self.problem._fields
+        twin = tuple(self.twins.get(f, v) for f, v in zip(fields, problem))
+        return None if twin == tuple(problem) else twin
 
     def bucket(self, problem: tuple) -> tuple:
         """`problem` with its streaming dims rounded up to their bucket (see `bucket_dim`)."""
@@ -167,7 +178,7 @@ def define_op(name: str, problem: type, signature: Callable[..., tuple], make_in
               reference: Callable[..., Any], *, size_fields: tuple[str, ...], flops: Callable[[Any], float],
               bytes_moved: Callable[[Any], float], default_problems: Callable[[str], list],
               streaming: tuple[str, ...] = (), choices: Mapping[str, tuple] | None = None,
-              tolerance: Callable[[str], float] | None = None) -> OpSpec:
+              tolerance: Callable[[str], float] | None = None, twins: Mapping[str, Any] | None = None) -> OpSpec:
     """Register op `name` from the pieces its `problem.py` defines; the tolerance is the dtype's
     (`_common.tolerance`) unless the op gives its own."""
     if tolerance is None:
@@ -175,7 +186,7 @@ def define_op(name: str, problem: type, signature: Callable[..., tuple], make_in
     return register_op(OpSpec(name=name, problem=problem, signature=signature, make_inputs=make_inputs,
                               reference=reference, tolerance=tolerance, flops=flops, bytes_moved=bytes_moved,
                               size_fields=size_fields, default_problems=default_problems, choices=choices or {},
-                              streaming=streaming))
+                              streaming=streaming, twins=twins or {}))
 
 
 def register_impl(

@@ -226,6 +226,9 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
     source, w = "tuned", table.get(problem) or table.get(bucketed)
     if w is None:
         source, w = "nearest", _nearest(spec, problem, (dc, op), table)
+    twin = spec.twin(problem) if w is None and table else None
+    if twin is not None:
+        source, w = "twin", table.get(twin) or table.get(spec.bucket(twin)) or _nearest(spec, twin, (dc, op), table)
     impl = None
     if w is not None:
         cand = get_impl(op, w["impl"])

@@ -342,6 +342,35 @@ def test_op_key_mask_eager_compiled_and_gradients(decode, monkeypatch):
                           (q.detach(), k.detach(), v.detach(), lens, True, key_mask))
 
 
+def test_a_key_masked_call_borrows_its_unmasked_twins_winner(decode, tmp_path):
+    """A table tuned without key masks (what recorded decode steps give) still serves left-padded ones: the masked
+    problem takes its unmasked twin's winner (source "twin"), counts as a miss, and computes with its mask."""
+    import json
+
+    import ops_adv
+    from ops_adv import _dispatch, _table
+
+    q, k, v = _qkv()
+    lens = torch.tensor([20, 24])
+    key_mask = torch.arange(24)[None, :] >= torch.tensor([[3], [0]])
+    impl = get_impl("decode_attention", "sdpa")  # what runs on this CPU; on CUDA a tuned table holds Triton's too
+    problem, params = P(*SPEC.signature(q, k, v, lens)), {}
+    winners = [{"op": "decode_attention", "problem": problem._asdict(), "impl": "sdpa", "params": params,
+                "kernel_version": impl.version, "median_ms": 1.0, "vendor_impl": "sdpa", "vendor_ms": 2.0, "speedup": 2.0}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": _table.FORMAT, "format_version": _table.FORMAT_VERSION, "device_class": "cpu",
+                                "fingerprint": {}, "winners": winners, "checksum": _table.checksum(winners)}))
+    ops_adv.load_table(str(path))
+    try:
+        out = decode(q, k, v, lens, key_mask=key_mask)
+        masked = SPEC.signature(q, k, v, lens, key_mask=key_mask)
+        assert masked[-1] is True and _dispatch.decided("decode_attention", masked, q.device) == ("sdpa", params, "twin")
+        assert _dispatch.decided("decode_attention", tuple(problem), q.device)[2] == "tuned"
+        assert relative_error(out, SPEC.reference(q, k, v, lens, key_mask=key_mask)) <= SPEC.tolerance("fp32")
+    finally:
+        ops_adv.load_table("")
+
+
 def test_op_key_mask_of_the_wrong_kind_is_one_clear_error(decode):
     q, k, v = _qkv()
     for bad in (torch.ones(2, 23, dtype=torch.bool), torch.ones(2, 24), torch.ones(24, dtype=torch.bool)):

@@ -144,4 +144,5 @@ def default_problems(device_class: str) -> list[DecodeAttentionProblem]:
 
 SPEC = define_op("decode_attention", DecodeAttentionProblem, signature, make_inputs, reference,
                  size_fields=("B", "Hq", "Hkv", "Sq", "Skv", "D"), streaming=("B", "Skv"), flops=_flops,
-                 bytes_moved=_bytes, default_problems=default_problems)
+                 bytes_moved=_bytes, default_problems=default_problems,
+                 twins={"masked": False})  # the key mask is one byte a key: an unmasked winner suits a masked call
