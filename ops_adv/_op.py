@@ -25,7 +25,14 @@ from kernel_space._common import DTYPE_CODE
 from . import _dispatch
 
 _is_compiling = torch.compiler.is_compiling
-_is_exporting = torch.compiler.is_exporting
+_compiler = torch.compiler
+
+
+def _is_exporting() -> bool:
+    """Whether torch.export is tracing. torch 2.11's Dynamo folds `torch.compiler.is_exporting()` to True under any
+    torch.compile (2.14 reads the flag), which kept every operator opaque there: read the flag export sets."""
+    flag = getattr(_compiler, "_is_exporting_flag", None)
+    return _compiler.is_exporting() if flag is None else flag
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 # Under autocast torch's own function runs: autocast picks its dtypes (a kernel would return the input dtype).
