@@ -102,7 +102,8 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return self.__dict__["_ops_adv_fused_graph"](*args, **kwargs)
     for conv, bn in self.__dict__["_ops_adv_fused_pairs"]:
         if bn.training:  # batch norm in train mode updates its statistics without a version bump
-            conv.__dict__.pop("_ops_adv_folded", None)
+            if conv.__dict__.get("_ops_adv_folded") is not None:
+                conv.__dict__["_ops_adv_folded"] = None
     return type(self).forward(self, *args, **kwargs)
 
 

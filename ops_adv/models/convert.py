@@ -107,7 +107,8 @@ def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
             w, b = _folded(self, bn)
             return conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
         if bn.training:  # batch norm in train mode updates its statistics without a version bump: fold again later
-            self.__dict__.pop("_ops_adv_folded", None)
+            if self.__dict__.get("_ops_adv_folded") is not None:
+                self.__dict__["_ops_adv_folded"] = None
     return conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
