@@ -83,7 +83,11 @@ def test_a_tuner_paused_past_its_lease_leaves_the_problem_to_the_one_that_took_i
                     return False
                 return s.scalars(select(Lease).where(Lease.run_id == runs[1].id)).first() is not None
 
-        _until(b_took_over)
+        try:  # B starts a Ray of its own: under a loaded CI run (a third Ray, the session's, beside) that took over 120 s once
+            _until(b_took_over, timeout=300)
+        except pytest.fail.Exception as e:
+            os.killpg(b.pid, signal.SIGKILL)
+            pytest.fail(f"{e}\ntuner B's stderr:\n{b.communicate()[1][-3000:]}")
         os.kill(a.pid, signal.SIGCONT)
         rc_b, err_b = _finish(b)
         rc_a, err_a = _finish(a)
