@@ -30,6 +30,7 @@ from .models.convert import convert_model, explain_model
 from .models.record import record, tune_for_hardware
 from .tools import debug, profiler
 from .tools.benchmark import benchmark
+from .tools.census import census
 
 # `ops_adv.debug` and `ops_adv.profiler` are the tools' modules, also as import paths (`from ops_adv.profiler import ...`)
 _sys.modules[__name__ + ".debug"], _sys.modules[__name__ + ".profiler"] = debug, profiler
@@ -54,6 +55,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "attention",
     "benchmark",
+    "census",
     "conv2d",
     "conv2d_bn_relu",
     "debug",
