@@ -115,6 +115,9 @@ class Impl:
     # Declared capturable in a CUDA graph: the tuner's gate fails it when capture raises. Whatever
     # this says, a candidate whose graph replays are wrong (state kept between calls) fails.
     graph_safe: bool = True
+    # adapt(tuned problem, new problem, params) -> params: a borrowed winner's parameters fitted to the problem
+    # it runs (a split count for another batch or context); None keeps them as tuned.
+    adapt: Callable[[Any, Any, Params], Params] | None = None
 
     @functools.cached_property
     def unavailable(self) -> str | None:
@@ -200,13 +203,15 @@ def register_impl(
     check: Check | None = None,
     requires: tuple[str, ...] = (),
     graph_safe: bool | None = None,
+    adapt: Callable[[Any, Any, Params], Params] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register an implementation of `op`; higher priority is preferred when nothing is tuned.
 
     `space` maps each parameter to its choices (the first is the default); `check(problem,
     params)` returns why a configuration is invalid, or None; `requires` names modules that
     must be importable (a missing one is reported as the reason, not hidden). `graph_safe`
-    (default: ours yes, vendor kernels no) declares it capturable in a CUDA graph.
+    (default: ours yes, vendor kernels no) declares it capturable in a CUDA graph. `adapt(tuned problem,
+    problem, params)` fits a winner borrowed from a near problem to the one it runs.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,6 +228,7 @@ def register_impl(
             check=check,
             requires=tuple(requires),
             graph_safe=not vendor if graph_safe is None else graph_safe,
+            adapt=adapt,
         )
         _IMPLS[op][impl.name] = impl
         return fn
@@ -236,11 +242,11 @@ def register_vendor(op: str, name: str, *, priority: int = 100, backends: tuple[
     return register_impl(op, name=name, priority=priority, backends=backends, vendor=True, check=check)
 
 
-def register_triton(op: str, name: str, *, space: Mapping[str, tuple], check: Check,
-                    priority: int = 50) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_triton(op: str, name: str, *, space: Mapping[str, tuple], check: Check, priority: int = 50,
+                    adapt: Callable[[Any, Any, Params], Params] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a Triton implementation: CUDA only, tuned over `space`, reported unavailable without triton."""
     return register_impl(op, name=name, priority=priority, backends=("cuda",), space=space, check=check,
-                         requires=("triton",))
+                         requires=("triton",), adapt=adapt)
 
 
 class LazyModule:

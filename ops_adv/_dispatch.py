@@ -231,9 +231,11 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
         source, w = "twin", table.get(twin) or table.get(spec.bucket(twin)) or _nearest(spec, twin, (dc, op), table)
     impl = None
     if w is not None:
-        cand = get_impl(op, w["impl"])
-        if cand.why_not(p, w["params"], backend) is None:
-            impl, params = cand, w["params"]
+        cand, params = get_impl(op, w["impl"]), w["params"]
+        if source != "tuned" and not cand.vendor:
+            params = _borrowed(spec, cand, w, p)
+        if params is not None and cand.why_not(p, params, backend) is None:
+            impl = cand
     if impl is None:
         source, impl = "default", choose_default(op, p, backend)
         params = impl.default_params()
@@ -247,6 +249,27 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
         fn = wrap(op, p, impl.name, source, fn)
     _caches[op][(problem, device)] = fn
     return fn
+
+
+# A winner of ours is borrowed for another problem only when it beat the vendor by this much on its own:
+# a narrow win there says nothing of a problem it was never measured on.
+BORROW_MIN_SPEEDUP = 1.1
+
+
+def _borrowed(spec, impl, w: dict, p) -> dict | None:
+    """A near problem's winner `w` fitted to `p` (the implementation's `adapt`), or None when it won too
+    narrowly to be trusted away from its own problem."""
+    speedup = w.get("speedup")
+    if isinstance(speedup, (int, float)) and speedup < BORROW_MIN_SPEEDUP:
+        return None
+    if impl.adapt is None:
+        return w["params"]
+    try:
+        tuned = spec.parse_problem(w["problem"]) if isinstance(w["problem"], dict) else spec.problem._make(w["problem"])
+        params = impl.adapt(tuned, p, w["params"])
+    except Exception:  # a problem the adapter cannot read: the parameters as tuned
+        return w["params"]
+    return params if impl.why_not(p, params) is None else w["params"]
 
 
 def forget_resolved() -> None:

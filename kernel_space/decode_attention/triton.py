@@ -6,6 +6,7 @@ first call, so this module imports without triton.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .._common import ITEMSIZE, pow2_at_least
@@ -85,10 +86,29 @@ def check(p: DecodeAttentionProblem, c: Mapping[str, Any]) -> str | None:
     return None
 
 
+def programs(p: DecodeAttentionProblem, c: Mapping[str, Any]) -> int:
+    """Programs one launch runs: (query-head groups x K/V heads x sequences) x splits."""
+    return p.B * p.Hq // heads_per_program(p, c) * c["num_splits"]
+
+
+def adapt(tuned: DecodeAttentionProblem, p: DecodeAttentionProblem, c: Mapping[str, Any]) -> dict[str, Any]:
+    """A winner tuned for `tuned` fitted to `p`: the split count that gives `p` the tuned launch's number of
+    programs (the split-KV trade of filling the GPU against combining partial results, as the tuner found
+    it), within the key blocks `p` has; the other parameters as tuned."""
+    c = dict(c)
+    if p.Hkv <= 0 or tuned.Hkv <= 0 or (p.Hq // p.Hkv) % heads_per_program(p, c):
+        return c
+    want = programs(tuned, c) / max(1, p.B * p.Hq // heads_per_program(p, c))
+    blocks = -(-p.Skv // c["BLOCK_N"])
+    fits = [s for s in SPACE["num_splits"] if s <= blocks] or [1]
+    c["num_splits"] = min(fits, key=lambda s: (abs(math.log2(s / max(want, 1e-9))), s))
+    return c
+
+
 _kernels = LazyModule(__package__ + "._kernels")
 
 
-@register_triton("decode_attention", "triton_decode", space=SPACE, check=check)
+@register_triton("decode_attention", "triton_decode", space=SPACE, check=check, adapt=adapt)
 def triton_decode(
     q: torch.Tensor,
     k: torch.Tensor,
