@@ -26,6 +26,8 @@ STAGES=(  # name | limit s | what it runs
   "dispatch       | 120 | benchmarks/dispatch_overhead.py: eager dispatch over the direct torch call, empty and vendor tables"
   "tune           | 450 | tune the six ops' default problems, export, check, dispatch vs vendor through the table, report"
   "e2e-tune       | 330 | record the e2e models' problems (E2E_TUNE_CASES), tune them (TUNE_S), export \$OUT/e2e-tune/opsadv-table.json"
+  "generate-tune  | 420 | issue 28: model.tune_for_hardware(max_new_tokens=...) on Llama-3-8B dims (GEN_BATCHES, GEN_PROMPTS, TUNE_S, TRIALS), census before/after, export \$OUT/generate-tune/opsadv-table.json"
+  "borrowed       | 200 | issue 28: benchmarks/borrowed_decode.py (decode_attention winners fitted to other batches and caches against a sweep's best)"
   "e2e            | 560 | benchmarks/e2e_model.py (E2E_CASES, E2E_ARGS) with TABLE: each case in its own process"
   "decode-step    | 500 | benchmarks/decode_step.py (DECODE_STEP_ARGS) with TABLE: Llama-3-8B decode per layer against the HBM bound, generate() tok/s"
   "recompiles     | 420 | why compile(converted) recompiles in decode (TORCH_LOGS=recompiles), original and converted"
@@ -91,7 +93,8 @@ find_sanitizer() {
   ls /usr/local/cuda*/bin/compute-sanitizer /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2> /dev/null | head -n 1
 }
 table_or_none() {
-  if [ -n "${TABLE:-}" ]; then echo "$TABLE"; elif [ -f "$OUT/e2e-tune/opsadv-table.json" ]; then echo "$OUT/e2e-tune/opsadv-table.json"; fi
+  if [ -n "${TABLE:-}" ]; then echo "$TABLE"; elif [ -f "$OUT/generate-tune/opsadv-table.json" ]; then echo "$OUT/generate-tune/opsadv-table.json"
+  elif [ -f "$OUT/e2e-tune/opsadv-table.json" ]; then echo "$OUT/e2e-tune/opsadv-table.json"; fi
 }
 
 stage() {
@@ -161,6 +164,17 @@ stage() {
     case $? in 124|137) timeout 30 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1 ;; esac  # Ray's workers may hold the GPU
     step export 60 python3 -m tuner export --device "$dev" --out "$D" --db "sqlite:///$db" \
       && step check 30 python3 -m ops_adv check "$D/opsadv-table.json" ;;
+  generate-tune)
+    needs_tuner generate-tune || return 2
+    local dev db=$D/generate-tuning.db; dev=$(device_class)
+    TAIL=25 step generate-tune $((${TUNE_S:-200} + 150)) python3 benchmarks/generate_tune.py --batches "${GEN_BATCHES:-1,8}" \
+      --prompts "${GEN_PROMPTS:-512}" --new-tokens "${GEN_NEW:-128}" --layers 4 --trials "${TRIALS:-6}" --timeout "${TUNE_S:-200}" \
+      --db "sqlite:///$db" --out "$D"
+    timeout 30 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1  # Ray's workers may hold the GPU
+    step export 60 python3 -m tuner export --device "$dev" --out "$D" --db "sqlite:///$db" \
+      && step check 30 python3 -m ops_adv check "$D/opsadv-table.json" ;;
+  borrowed)
+    TAIL=30 step borrowed 190 python3 benchmarks/borrowed_decode.py --out "$D" ;;
   e2e)
     local tbl; tbl=$(table_or_none)
     echo "table: ${tbl:-none (every op runs its default)}"
