@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernel_space import OpsAdvError
-from ops_adv._table import redact, short
+from ops_adv._table import redact, short, sqlite_path, sqlite_url
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -26,7 +26,7 @@ def default_url() -> str:
     if url:
         return url
     base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ops-adv"
-    return f"sqlite:///{base / 'tuning.db'}"
+    return sqlite_url(str(base / "tuning.db"))
 
 
 # Messages start with "the database ..." (a habit kept from before redact() told prose around a URL from a URL
@@ -111,7 +111,7 @@ def normalize(url: str) -> str:
             shown = f"{url!r} " if re.fullmatch(r"[\w.\-]{1,40}", url) else ""
             raise DatabaseError(f"the database {shown}is neither a URL nor a path to an SQLite file; write sqlite:///PATH, "
                                 f"postgresql://USER@HOST/DB, or a path such as ./tuning.db")
-        return f"sqlite:///{Path(url).expanduser().resolve()}"
+        return sqlite_url(str(Path(url).expanduser().resolve()))  # %, ? and # quoted: SQLAlchemy reads back this path
     scheme, rest = url.split("://", 1)
     if scheme in ("postgres", "postgresql"):
         return f"postgresql+psycopg://{rest}"
@@ -291,3 +291,94 @@ def open_db(url: str, *, migrate: bool = True) -> "Engine":
     else:
         check_schema(engine, url)
     return engine
+
+
+class DatabaseFile:
+    """The SQLite file a run opened, watched for the run's whole length.
+
+    Deleting or replacing the file under a running tuner does not stop SQLite: it keeps writing to the unlinked
+    file, and everything stored since is gone when the process exits (a tune ended with rc=0 and its winners
+    lost). `changed()` compares the path's device and inode with those opened; `rescue()` copies what the run
+    wrote, through a connection held open since the start, to a new file beside the old path.
+    """
+
+    def __init__(self, path: str) -> None:
+        import sqlite3
+        from urllib.parse import quote
+
+        self.path = os.path.abspath(path)
+        st = os.stat(self.path)
+        self.ident = (st.st_dev, st.st_ino)
+        # mode=rw: never creates a file; WAL readers see every commit of the run's other connections
+        self._conn = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True, check_same_thread=False)
+        st = os.stat(self.path)
+        if (st.st_dev, st.st_ino) != self.ident:  # replaced between the two looks: watch nothing rather than the wrong file
+            self._conn.close()
+            self._conn = None
+
+    @classmethod
+    def of(cls, url: str) -> "DatabaseFile | None":
+        """The watched file of an SQLite URL (None for PostgreSQL, memory or URI-form databases)."""
+        url = normalize(url)
+        if not url.startswith("sqlite:///"):
+            return None
+        path = sqlite_path(url)
+        if not path or path == ":memory:" or path.startswith("file:"):
+            return None
+        try:
+            return cls(path)
+        except Exception:
+            return None
+
+    def changed(self) -> str | None:
+        """What happened to the file since it was opened ("was deleted", ...), or None while it is the same file."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return "was deleted"
+        except OSError as e:
+            return f"can no longer be found ({e.strerror})"
+        if (st.st_dev, st.st_ino) != self.ident:
+            return "was replaced by another file"
+        return None
+
+    def rescue(self) -> str | None:
+        """Copy the database the run wrote (the file it opened, deleted or not) to a new file beside its old path;
+        that file's path, or None when it cannot be written."""
+        import sqlite3
+
+        if self._conn is None:
+            return None
+        base = f"{self.path}.rescued"
+        for n in range(100):
+            dst = base if n == 0 else f"{base}-{n}"
+            try:
+                fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never over an existing file
+            except FileExistsError:
+                continue
+            except OSError:
+                return None
+            os.close(fd)
+            try:
+                out = sqlite3.connect(dst)
+                try:
+                    self._conn.backup(out)
+                finally:
+                    out.close()
+                return dst
+            except Exception:
+                try:
+                    os.unlink(dst)
+                except OSError:
+                    pass
+                return None
+        return None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class DatabaseGone(DatabaseError):
+    """The SQLite file of a running tune was deleted or replaced (see DatabaseFile)."""

@@ -27,17 +27,29 @@ def _sign(path: str) -> int:
         _table.read_file(path)  # only a sound table is signed
     finally:
         os.environ["OPS_ADV_TABLE_KEY"] = key
+    import tempfile
+
     with open(path, "rb") as f:
         data = json.loads(f.read())
     data["signature"] = _table.signature(data, key)
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as f:
+    tmp = None
+    try:  # a temporary file of its own beside the table (never another signer's or exporter's), then one rename
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
+        with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data, indent=1, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o444)
         os.replace(tmp, path)
+        tmp = None
     except OSError as e:
-        raise OpsAdvError(f"cannot write {_table.short(path, 200)}: {e.strerror}") from None
+        raise OpsAdvError(f"cannot write {_table.short(path, 200)}: {e.strerror}; the table is unchanged") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     print(f"signed {path}")
     return 0
 

@@ -6,7 +6,7 @@ import warnings
 
 
 def table_path() -> str | None:
-    """OPS_ADV_TABLE: exported table file(s) (os.pathsep-separated) or a database URL."""
+    """OPS_ADV_TABLE: exported table file(s) (os.pathsep-separated; ~ is expanded) or a database URL."""
     return os.environ.get("OPS_ADV_TABLE") or None
 
 
@@ -14,8 +14,9 @@ def db_url() -> str | None:
     """OPS_ADV_DB: the tuning database URL, used by the tuner and as the runtime's fallback table; a bare
     path is an SQLite file, as the tuner reads it."""
     url = os.environ.get("OPS_ADV_DB") or None
-    if url and "://" not in url:
-        url = "sqlite:///" + os.path.abspath(os.path.expanduser(url))
+    if url and "://" not in url:  # quoted as the tuner quotes it: %, ? and # belong to the path
+        path = os.path.abspath(os.path.expanduser(url))
+        url = "sqlite:///" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
     return url
 
 

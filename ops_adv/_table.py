@@ -126,6 +126,51 @@ class Table:
 
 
 MAX_BYTES = 512 << 20
+# An exported table nests 5 levels (table, winners, winner, params, a value); JSON nested deeper than this is refused
+# by the same rule everywhere (load, check, sign). Python's own limit depends on how deep the caller's stack is: a
+# 985-level table loaded in one process and was "corrupt" in another.
+MAX_DEPTH = 32
+
+
+def too_deep(obj, limit: int = MAX_DEPTH) -> bool:
+    """Whether `obj` (parsed JSON) nests lists and objects more than `limit` levels (iterative: no recursion)."""
+    if not isinstance(obj, (dict, list)):
+        return False
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return True
+        for v in (o.values() if isinstance(o, dict) else o):
+            if isinstance(v, (dict, list)):
+                stack.append((v, d + 1))
+    return False
+
+
+def parse_json(raw: bytes | str, shown: str, what: str = "tuned table") -> object:
+    """JSON text as data, or a one-line TableError: not JSON, or nested deeper than MAX_DEPTH."""
+    deep = False
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        deep = True
+    except (ValueError, UnicodeDecodeError):
+        raise TableError(f"{what} {shown} is corrupt (not JSON); export it again with opsadv-export") from None
+    if deep or too_deep(data):
+        raise TableError(f"{what} {shown} nests JSON more than {MAX_DEPTH} levels deep, which no exported table does; "
+                         f"export it again with opsadv-export")
+    return data
+
+
+def sqlite_url(path: str) -> str:
+    """sqlite:/// URL of a file path, as SQLAlchemy reads it back: %, ? and # quoted (a path is a path, never a
+    query or a percent-escape)."""
+    return "sqlite:///" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+
+
+def sqlite_path(url: str) -> str:
+    """The file a sqlite:/// URL names, read as SQLAlchemy reads it (the path ends at ?, then is percent-decoded)."""
+    return unquote(url.split(":///", 1)[1].split("?", 1)[0])
 
 
 def signature(data: dict, key: str) -> str:
@@ -183,10 +228,7 @@ def read_file(path: str) -> Table:
         raise TableError(f"cannot read tuned table {shown}: {e.strerror}; check OPS_ADV_TABLE") from None
     if len(raw) > MAX_BYTES:
         raise TableError(f"tuned table {shown} is larger than {MAX_BYTES >> 20} MiB; check OPS_ADV_TABLE")
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise TableError(f"tuned table {shown} is corrupt (not JSON); export it again with opsadv-export") from None
+    data = parse_json(raw, shown)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise TableError(f"{shown} is not an ops-adv tuned table; export one with opsadv-export")
     if data.get("format_version") != FORMAT_VERSION:
@@ -220,10 +262,15 @@ def read_database(url: str) -> list[Table]:
         if url.startswith("sqlite:///"):
             import sqlite3
 
-            path = url[len("sqlite:///"):].split("?", 1)[0]
+            path = sqlite_path(url)
+            if os.path.isdir(path):
+                raise TableError(f"tuning database {redact(url)[:200]} is a folder, not an SQLite file; "
+                                 f"name the database file in it (such as {os.path.join(short(path, 120).strip(chr(39)), 'tuning.db')})")
             if not os.path.isfile(path):
                 raise TableError(f"tuning database {redact(url)[:200]} does not exist; run opsadv-tune first or fix the URL")
-            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            from urllib.parse import quote
+
+            con = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True)  # quoted: # ? % are the path's
             try:
                 rows = con.execute(query).fetchall()
             finally:
@@ -247,7 +294,10 @@ def read_database(url: str) -> list[Table]:
                 "op": op, "problem": json.loads(key), "impl": impl, "params": json.loads(params) if isinstance(params, str) else params,
                 "kernel_version": kv, "median_ms": med, "vendor_impl": vimpl, "vendor_ms": vms, "speedup": sp,
             }
+            deep = too_deep(w["problem"], MAX_DEPTH - 3) or too_deep(w["params"], MAX_DEPTH - 3)
         except (TypeError, ValueError, RecursionError):
+            deep = True
+        if deep:
             raise TableError(f"tuning database {redact(url)[:200]}: winner {n} is not readable JSON; re-tune it") from None
         structure_of_winner(f"tuning database {redact(url)[:200]}", n, w)
         by_class.setdefault(str(dc), []).append(w)
@@ -270,11 +320,15 @@ def load(spec: str) -> list[Table]:
                 UnsignedSource, stacklevel=3)
             return []
         return read_database(spec)
+    paths = [os.path.expanduser(p) for p in spec.split(os.pathsep) if p.strip()]
+    if not paths:
+        raise TableError(f"OPS_ADV_TABLE={short(spec, 40)} names no file; set it to a table file (several separated by "
+                         f"{os.pathsep!r}) or a database URL, or unset it")
     out: list[Table] = []
-    for p in spec.split(os.pathsep):
-        if p and _is_sqlite(p):  # a tuning database given as a path, as the tuner takes it
-            out += load("sqlite:///" + os.path.abspath(p))
-        elif p:
+    for p in paths:
+        if _is_sqlite(p):  # a tuning database given as a path, as the tuner takes it
+            out += load(sqlite_url(os.path.abspath(p)))
+        else:
             out.append(read_file(p))
     return out
 

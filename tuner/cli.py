@@ -6,7 +6,16 @@ import shlex
 import sys
 from typing import Callable
 
-from kernel_space import OpsAdvError
+
+TIMED_OUT = 3  # opsadv-tune's exit status when --timeout left problems unstarted or cut short (2: an error, 130: Ctrl-C)
+
+
+def _error(message: str) -> Exception:
+    """kernel_space.OpsAdvError (a user's mistake: one line, exit 2), imported when raised: kernel_space loads torch,
+    and a Ctrl-C while it loads must meet _run's handler rather than interrupt this module's import."""
+    from kernel_space import OpsAdvError
+
+    return OpsAdvError(message)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,7 +38,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
     def need(name: str, ok: bool, what: str) -> None:
         if not ok:
-            raise OpsAdvError(f"--{name.replace('_', '-')} {_one_line(getattr(args, name), 40)} is invalid: it must be {what}")
+            raise _error(f"--{name.replace('_', '-')} {_one_line(getattr(args, name), 40)} is invalid: it must be {what}")
 
     for name in ("timeout", "trial_timeout", "measure_budget"):
         v = getattr(args, name, None)
@@ -45,15 +54,19 @@ def _check_args(args: argparse.Namespace) -> None:
         need("accuracy", math.isfinite(acc) and acc >= 1, "a finite factor of at least 1")
 
 
-def _run(prog: str, body: Callable[[], int]) -> int:
-    """A user's mistake is one line on stderr and exit status 2, never a traceback."""
+def _run(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:
+    """A user's mistake is one line on stderr and exit status 2, never a traceback; Ctrl-C is the line
+    `interrupted` (what was kept, what to do) and exit status 130."""
     try:
-        return body()
-    except OpsAdvError as e:
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        from kernel_space import OpsAdvError as error  # inside: a Ctrl-C while torch loads is one line too
+
+        try:
+            return body()
+        except error as e:
+            print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted; finished trials are stored, re-run the same command to resume", file=sys.stderr)
+        print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
 
 
@@ -73,7 +86,7 @@ def _load_plugins(mods: list[str]) -> list[str]:
         try:
             importlib.import_module(m)
         except (ImportError, ValueError, TypeError) as e:
-            raise OpsAdvError(f"cannot import plugin {_one_line(m, 80)}: {_one_line(e, 200)}") from None
+            raise _error(f"cannot import plugin {_one_line(m, 80)}: {_one_line(e, 200)}") from None
     return mods
 
 
@@ -124,21 +137,21 @@ def tune_main(argv: list[str] | None = None) -> int:
         plugins = _load_plugins(args.plugin)
         ops = [o.strip() for o in args.ops.split(",") if o.strip()]
         if not ops:
-            raise OpsAdvError("--ops is empty; name ops such as gemm,attention")
+            raise _error("--ops is empty; name ops such as gemm,attention")
         for op in ops:
             kernel_space.get_op(op)
         from .driver import SAMPLERS
 
         if args.sampler not in SAMPLERS:
-            raise OpsAdvError(f"unknown sampler {args.sampler!r}; choose one of {', '.join(SAMPLERS)}")
+            raise _error(f"unknown sampler {args.sampler!r}; choose one of {', '.join(SAMPLERS)}")
         from .progress import MODES
 
         if args.progress not in MODES:
-            raise OpsAdvError(f"unknown --progress {args.progress!r}; choose one of {', '.join(MODES)}")
+            raise _error(f"unknown --progress {args.progress!r}; choose one of {', '.join(MODES)}")
         names = [i.strip() for i in (args.impls or "").split(",") if i.strip()]
         for name in names:
             if not any(name in {i.name for i in kernel_space.impls(op)} for op in ops):
-                raise OpsAdvError(f"--impls: no implementation {_one_line(name, 60)} for {', '.join(ops)}")
+                raise _error(f"--impls: no implementation {_one_line(name, 60)} for {', '.join(ops)}")
         if args.shapes:
             problems = load_shapes(args.shapes, ops)
         else:
@@ -154,11 +167,19 @@ def tune_main(argv: list[str] | None = None) -> int:
             revalidate=args.revalidate,
             measure_budget_s=args.measure_budget or (0.3 if args.device == "cpu" else 0.1), command=_command(argv),
         )
-        rows = Tuner(opts).run()
+        tuner = Tuner(opts)
+        rows = tuner.run()
         print(format_table(rows))
+        if getattr(tuner, "timed_out", None):  # a clear last line and its own status: a script must not take this for a whole tune
+            unstarted, cut = tuner.timed_out
+            what = " and ".join(x for x in (f"{unstarted} problem(s) not started" if unstarted else "",
+                                            f"{cut} cut short of their trials" if cut else "") if x)
+            print(f"opsadv-tune: stopped by --timeout {args.timeout:g} s with {what}; re-run the same command to tune "
+                  f"them (exit status {TIMED_OUT})", file=sys.stderr)
+            return TIMED_OUT
         return 0
 
-    return _run("opsadv-tune", body)
+    return _run("opsadv-tune", body, "interrupted; finished trials are stored, re-run the same command to resume")
 
 
 def _list(plugins: list[str]) -> int:
@@ -201,7 +222,7 @@ def export_main(argv: list[str] | None = None) -> int:
         print(f"wrote {n} winner(s) to {table} and {docker}; build: docker build -f {docker} {docker.parent}")
         return 0
 
-    return _run("opsadv-export", body)
+    return _run("opsadv-export", body, "interrupted; any table in the folder is whole (the previous one, or this export's if already published)")
 
 
 def db_main(argv: list[str] | None = None) -> int:
@@ -248,20 +269,20 @@ def report_main(argv: list[str] | None = None) -> int:
         for flag, path in (("--plot", args.plot), ("--markdown", args.markdown)):
             folder = os.path.dirname(os.path.abspath(path)) if path else None
             if folder and not os.path.isdir(folder):
-                raise OpsAdvError(f"{flag} {_one_line(path, 120)}: folder {_one_line(folder, 120)} does not exist; create it or write elsewhere")
+                raise _error(f"{flag} {_one_line(path, 120)}: folder {_one_line(folder, 120)} does not exist; create it or write elsewhere")
         if args.table:
             from ops_adv._table import read_file
 
             t = read_file(args.table)
             if t.device_class != args.device:
-                raise OpsAdvError(f"{args.table} holds winners for {t.device_class}, not {args.device}")
+                raise _error(f"{args.table} holds winners for {t.device_class}, not {args.device}")
             rows = t.winners
         else:
             from .export import winners_of
 
             rows = winners_of(args.device, args.db or _db_default())
         if not rows:
-            raise OpsAdvError(f"no winners for {args.device}; run opsadv-tune --device {args.device} first")
+            raise _error(f"no winners for {args.device}; run opsadv-tune --device {args.device} first")
         print(format_table(rows))
         libs = library_candidates(sorted({r.get("op") for r in rows if r.get("op")}), args.device)
         if libs:
@@ -275,9 +296,9 @@ def report_main(argv: list[str] | None = None) -> int:
                 plot(rows, args.plot, f"ops-adv on {args.device}: tuned vs vendor")
                 print(f"plot: {args.plot}")
         except OSError as e:
-            raise OpsAdvError(f"cannot write {_one_line(e.filename or args.plot, 120)}: {e.strerror or e}") from None
+            raise _error(f"cannot write {_one_line(e.filename or args.plot, 120)}: {e.strerror or e}") from None
         except ValueError as e:  # matplotlib: an unknown image format
-            raise OpsAdvError(f"cannot write the plot: {_one_line(e, 200)}") from None
+            raise _error(f"cannot write the plot: {_one_line(e, 200)}") from None
         return 0
 
     return _run("opsadv-report", body)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import socket
 import sys
 import time
@@ -23,8 +24,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 import kernel_space
-from db import Device, Run, normalize, open_db, redact
-from db._engine import driver_error, write_error
+from db import DatabaseError, Device, Run, normalize, open_db, redact
+from db._engine import DatabaseFile, DatabaseGone, driver_error, write_error
 from db.models import utcnow
 from kernel_space import OpsAdvError, get_op, impls, problem_key
 from workers.measure import OK, PRUNED
@@ -111,6 +112,7 @@ class Tuner(StudySetup, Winners):
         self._rng = random.Random(opts.seed)
         self.best_speedup: float | None = None  # of the winners this run stored
         self.stats: dict = {}  # after run(): wall_s and per worker slot busy_s, jobs, restarts (see Pool.stats)
+        self.timed_out: tuple[int, int] | None = None  # after run(): problems --timeout left unstarted, and cut short
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
@@ -118,10 +120,38 @@ class Tuner(StudySetup, Winners):
     def run(self) -> list[dict]:
         try:
             return self._run_all()
+        except DatabaseGone as e:
+            raise self._gone_error(str(e)) from None
         except Exception as e:
             if isinstance(e, OpsAdvError) or driver_error(e) is None:
                 raise
+            gone = self._db_file.changed() if getattr(self, "_db_file", None) is not None else None
+            if gone:  # the file went first; the write error is its consequence
+                raise self._gone_error(gone) from None
             raise self._write_error(e) from None  # one line, never the driver's chain of tracebacks
+        finally:
+            if getattr(self, "_db_file", None) is not None:
+                self._db_file.close()
+
+    def _check_db_file(self) -> None:
+        """Stop when the SQLite file this run opened was deleted or replaced: writing on would lose every result."""
+        f = getattr(self, "_db_file", None)
+        what = f.changed() if f is not None else None
+        if what:
+            raise DatabaseGone(what)
+
+    def _gone_error(self, what: str) -> DatabaseError:
+        """One line for a database file deleted or replaced under the run: what is lost, where it was saved."""
+        f = self._db_file
+        rescued = f.rescue()
+        run_id = getattr(self, "run_id", None)
+        state = f"run {run_id}'s trials and winners" if run_id is not None else "what this run wrote"
+        if rescued:
+            kept = (f"{state} were saved to {rescued}; move that file back to {f.path} (mv {shlex.quote(rescued)} "
+                    f"{shlex.quote(f.path)}) and re-run the same command to resume")
+        else:
+            kept = f"{state} could not be saved and are lost; re-run the same command to tune again"
+        return DatabaseError(f"the database file {f.path} {what} while opsadv-tune was writing to it; {kept}")
 
     def _run_all(self) -> list[dict]:
         o = self.o
@@ -132,6 +162,7 @@ class Tuner(StudySetup, Winners):
         kw = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
         with schema_lock(o.db_url):  # concurrent tuners on a fresh database: one creates the schema
             self.engine = open_db(o.db_url)
+            self._db_file = DatabaseFile.of(o.db_url)  # an SQLite file deleted mid-run must stop the run, not lose it
             self.storage = optuna.storages.RDBStorage(url, engine_kwargs=kw)
         ops = ", ".join(dict.fromkeys(op for op, _ in o.problems))
         self.log(f"tuning {len(o.problems)} problem(s) of {ops} on {o.device} into {redact(o.db_url)}")
@@ -204,8 +235,11 @@ class Tuner(StudySetup, Winners):
         t0 = time.monotonic()
         try:
             self._loop(items, t0)
-            complete = not self._left and all(t.state == "done" and not t.lost and self._spent(t) for t in self.tasks)
+            cut = sum(1 for t in self.tasks if not (t.state == "done" and not t.lost and self._spent(t)))
+            complete = not self._left and not cut
             status = "finished" if complete else "interrupted"
+            if o.timeout_s is not None and not complete:
+                self.timed_out = (self._left, cut)
         except KeyboardInterrupt:
             status = "interrupted"
             raise
@@ -213,6 +247,7 @@ class Tuner(StudySetup, Winners):
             self.leases.stop()
             self.final_status = status
             self.status_error = self._record_status(status)
+        self._check_db_file()  # a file deleted after the last look in the loop: its winners went with it
         if self.status_error is not None:  # the run itself ended well
             raise self.status_error
         return self.summary()
@@ -301,6 +336,7 @@ class Tuner(StudySetup, Winners):
         window = len(self.pool.slots) + 1  # few problems at once keeps inputs resident on the device
         ready: deque = deque()  # jobs asked ahead (in flight for their task), next to be submitted
         while pending or active or waiting:
+            self._check_db_file()  # one stat a round (the loop polls every 0.2 s)
             out_of_time = o.timeout_s is not None and time.monotonic() - t0 > o.timeout_s
             if out_of_time and (pending or waiting):
                 self._left = len(pending) + len(waiting)

@@ -87,18 +87,48 @@ def export(device: str, out_dir: str, db_url: str, with_wheel: bool = False) -> 
         "checksum": checksum(winners),
     }
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OpsAdvError(f"--out {out_dir} is a file, not a folder; pass --out with a folder (it is created if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise OpsAdvError(f"cannot create output folder {out_dir}: {e.strerror}") from None
+        raise OpsAdvError(f"cannot create output folder {out_dir}: {e.strerror}; pass --out with a writable folder") from None
     table, docker = out / TABLE_NAME, out / "Dockerfile.opsadv"
-    tmp = table.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.chmod(tmp, 0o444)
-    os.replace(tmp, table)  # atomic: a reader never sees half a table
+    publish(table, json.dumps(data, indent=1, sort_keys=True), 0o444)
     wheel = _build_wheel(out) if with_wheel else None
-    docker.write_text(dockerfile(device, len(winners), wheel))
+    publish(docker, dockerfile(device, len(winners), wheel), 0o644)
     return table, docker, len(winners)
+
+
+def publish(path: Path, text: str, mode: int) -> None:
+    """Write `text` to `path` whole or not at all: a temporary file of its own in the same folder (two exports into
+    one folder never share one), flushed to disk, then renamed over `path` (a reader sees the old file or the new
+    one). Any error, Ctrl-C included, removes the temporary file and leaves `path` as it was; an OSError becomes
+    one line."""
+    import tempfile
+
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        kept = (f"{path.name} there is unchanged" if path.name == TABLE_NAME  # the Dockerfile comes after the table
+                else f"{TABLE_NAME} was written, {path.name} was left as it was")
+        raise OpsAdvError(f"cannot write {path}: {why}; make the folder writable and free space there, or pass --out "
+                          f"with another folder ({kept})") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 BASE_IMAGE = "pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime"  # any image with torch>=2.11: --build-arg BASE=...

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from db import Run, normalize, redact
 from db.models import Lease, utcnow
+from ops_adv._table import sqlite_path
 
 
 def lease_s() -> float:
@@ -73,7 +74,7 @@ def schema_lock(url: str):
             finally:
                 eng.dispose()
         return
-    path = url.split(":///", 1)[1].split("?", 1)[0] if ":///" in url else ""  # never the query: it may hold a password
+    path = sqlite_path(url) if ":///" in url else ""  # as SQLAlchemy reads it; never the query: it may hold a password
     if not path or path == ":memory:" or path.startswith("file:"):
         yield
         return

@@ -1,0 +1,315 @@
+"""The tuning database and exports hold up (issue 32): a database deleted or restarted under a tune, export write
+errors, racing exports, deep JSON, odd SQLite paths, and the smaller edges of the command lines and the runtime."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session
+
+import db
+import kernel_space
+import ops_adv
+from conftest import ROOT, cli, run_cli
+from ops_adv import _table
+
+PROB = {"K": 96, "M": 64, "N": 128, "dtype": "fp32", "trans_a": False, "trans_b": False}
+PARAMS = {"block_m": 32, "block_n": 64, "block_k": 0}
+
+
+def _fill(url: str, n: int = 1, start: int = 0) -> str:
+    """`url`'s database with `n` more cpu gemm winners (problems M = 64 + start ...)."""
+    version = kernel_space.get_impl("gemm", "cpu_blocked").version
+    with Session(db.open_db(url)) as s:
+        for i in range(start, start + n):
+            p = db.Problem(op="gemm", key=json.dumps({**PROB, "M": 64 + i}, sort_keys=True))
+            s.add(p)
+            s.flush()
+            s.add(db.Winner(device_class="cpu", problem_id=p.id, study=f"s{i}", impl="cpu_blocked", params=PARAMS,
+                            kernel_version=version, median_ms=1.0, spread_ms=0.01, vendor_impl="torch_matmul",
+                            vendor_ms=2.0, speedup=2.0, trials=4))
+        s.commit()
+    return url
+
+
+@pytest.fixture
+def tuned_db(tmp_path):
+    return _fill(f"sqlite:///{tmp_path / 'tuning.db'}")
+
+
+@pytest.fixture
+def restore_table():
+    yield
+    ops_adv.load_table("")
+
+
+def _one_error_line(p, rc: int = 2) -> str:
+    err = p.stderr.strip()
+    assert p.returncode == rc and len(err.splitlines()) == 1 and "Traceback" not in err, (p.returncode, err[-3000:])
+    return err
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(f.name for f in folder.iterdir() if f.name.endswith(".tmp"))
+
+
+# ------------------------------------------------------------------------------------------ export write errors
+
+@contextlib.contextmanager
+def _read_only(path: Path):
+    """`path` refuses writes for the block: immutable (chattr +i) as root, whom modes do not stop; else mode 0555."""
+    if os.geteuid() == 0:
+        if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+            pytest.skip("root, and chattr +i does not work here: nothing can make a folder refuse root's writes")
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    else:
+        mode = path.stat().st_mode
+        path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+
+
+@pytest.mark.parametrize("what", ["folder", "table"])
+def test_export_into_a_read_only_folder_or_onto_an_immutable_table_is_one_line(tmp_path, tuned_db, what):
+    out = tmp_path / "dist"
+    assert cli("opsadv-export", "--device", "cpu", "--out", str(out), "--db", tuned_db).returncode == 0
+    table = out / "opsadv-table.json"
+    before = table.read_bytes()
+    _fill(tuned_db, 1, start=1)  # a second winner: the new table would differ from the old
+    with _read_only(out if what == "folder" else table):
+        p = cli("opsadv-export", "--device", "cpu", "--out", str(out), "--db", tuned_db)
+        err = _one_error_line(p)
+        assert err.startswith(f"opsadv-export: error: cannot write {table}") and "unchanged" in err, err
+        assert _leftovers(out) == []
+    assert table.read_bytes() == before  # the old table is intact
+    assert _table.read_file(str(table)).winners
+
+
+_FULL_DISK = """
+import os, resource, signal, sys
+import tuner.export as export
+_publish = export.publish
+def publish(path, text, mode):  # from here on no file may grow past 100 bytes, as on a full disk
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    _publish(path, text, mode)
+export.publish = publish
+from tuner.cli import export_main
+sys.exit(export_main(sys.argv[1:]))
+"""
+
+
+def test_export_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path, tuned_db):
+    out = tmp_path / "dist"
+    assert cli("opsadv-export", "--device", "cpu", "--out", str(out), "--db", tuned_db).returncode == 0
+    before = (out / "opsadv-table.json").read_bytes()
+    p = run_cli("-c", _FULL_DISK, "--device", "cpu", "--out", str(out), "--db", tuned_db)
+    err = _one_error_line(p)
+    assert "cannot write" in err and "File too large" in err and "free space" in err, err
+    assert _leftovers(out) == [] and sorted(f.name for f in out.iterdir()) == ["Dockerfile.opsadv", "opsadv-table.json"]
+    assert (out / "opsadv-table.json").read_bytes() == before
+
+
+_INTERRUPT_WRITING = """
+import os, signal, sys
+import tuner.export as export
+_fdopen = os.fdopen
+def fdopen(fd, *a, **k):  # Ctrl-C while the table is being written
+    f = _fdopen(fd, *a, **k)
+    os.kill(os.getpid(), signal.SIGINT)
+    return f
+export.os.fdopen = fdopen
+from tuner.cli import export_main
+sys.exit(export_main(sys.argv[1:]))
+"""
+
+_INTERRUPT_IMPORTING = """
+import importlib.abc, os, signal, sys
+class CtrlC(importlib.abc.MetaPathFinder):  # Ctrl-C while torch loads (the slowest import of the command line)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, CtrlC())
+from tuner.cli import export_main
+sys.exit(export_main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("when", ["writing", "importing"])
+def test_ctrl_c_during_export_is_one_line_without_the_tuners_resume_message(tmp_path, tuned_db, when):
+    out = tmp_path / "dist"
+    p = run_cli("-c", _INTERRUPT_WRITING if when == "writing" else _INTERRUPT_IMPORTING,
+                "--device", "cpu", "--out", str(out), "--db", tuned_db)
+    err = _one_error_line(p, 130)
+    assert err.startswith("opsadv-export: interrupted") and "resume" not in err and "trials" not in err, err
+    assert not out.exists() or _leftovers(out) == []
+
+
+# ------------------------------------------------------------------------------------------ two exports, one folder
+
+def test_two_exports_into_one_folder_never_share_a_temporary_file(tmp_path, monkeypatch):
+    from tuner import export as export_module
+
+    url = _fill(f"sqlite:///{tmp_path / 'tuning.db'}", 400)
+    out = tmp_path / "dist"
+    out.mkdir()
+    real_replace, temps, errors = os.replace, [], []
+    lock = threading.Lock()
+
+    def replace(src, dst):  # the real rename, with its source noted
+        with lock:
+            temps.append(Path(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(export_module.os, "replace", replace)
+    barrier = threading.Barrier(2)
+
+    def one():
+        try:
+            for _ in range(6):
+                barrier.wait()
+                export_module.export("cpu", str(out), url)
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    tables = [t for t in temps if "opsadv-table" in t.name]
+    assert len(tables) == 12 and len(set(tables)) == 12, tables  # each export its own temporary file ...
+    assert all(t.parent == out for t in tables)  # ... in the folder it publishes to (one rename, same file system)
+    assert _leftovers(out) == []
+    assert len(_table.read_file(str(out / "opsadv-table.json")).winners) == 400
+
+
+# ------------------------------------------------------------------------------------------ deep JSON
+
+def _deep_table(path: Path, depth: int) -> Path:
+    deep: object = 0
+    for _ in range(depth):
+        deep = [deep]
+    winners = [{"op": "gemm", "problem": PROB, "impl": "torch_matmul", "params": {}, "note": deep}]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, depth + 2000))
+    try:
+        data = {"format": _table.FORMAT, "format_version": _table.FORMAT_VERSION, "device_class": "cpu", "fingerprint": {},
+                "winners": winners, "checksum": _table.checksum(winners)}
+        path.write_text(json.dumps(data))
+    finally:
+        sys.setrecursionlimit(limit)
+    return path
+
+
+def _nested(depth: int, fn):
+    """fn() called from `depth` frames down the stack (the runtime's first op may run deep in a model)."""
+    return fn() if depth <= 0 else _nested(depth - 1, fn)
+
+
+@pytest.mark.parametrize("depth", [40, 985, 5000])
+def test_deep_json_is_one_table_error_for_the_runtime_check_and_sign(tmp_path, monkeypatch, restore_table, depth):
+    path = _deep_table(tmp_path / "t.json", depth)
+    lines = set()
+    for key in (None, "k1"):
+        env = {"OPS_ADV_TABLE_KEY": key} if key else {}
+        if key:
+            monkeypatch.setenv("OPS_ADV_TABLE_KEY", key)
+        else:
+            monkeypatch.delenv("OPS_ADV_TABLE_KEY", raising=False)
+        for stack in (0, 800):  # the same answer however deep the caller's stack is
+            with pytest.raises(_table.TableError) as e:
+                _nested(stack, lambda: ops_adv.load_table(str(path)))
+            lines.add(str(e.value))
+        p = run_cli("-m", "ops_adv", "check", str(path), env={k: v for k, v in env.items()})
+        lines.add(_one_error_line(p).removeprefix("ops_adv: error: "))
+    p = run_cli("-m", "ops_adv", "sign", str(path), env={"OPS_ADV_TABLE_KEY": "k1"})
+    lines.add(_one_error_line(p).removeprefix("ops_adv: error: "))
+    assert lines == {f"tuned table {path} nests JSON more than {_table.MAX_DEPTH} levels deep, which no exported table "
+                     f"does; export it again with opsadv-export"}, lines
+    first_op = "import torch, ops_adv; ops_adv.gemm(torch.ones(64, 96), torch.ones(96, 128))"
+    for key in ("", "k1"):  # a fresh process's first op, with and without a key
+        p = run_cli("-c", first_op, env={"OPS_ADV_TABLE": str(path), "OPS_ADV_TABLE_KEY": key})
+        assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == f"ops_adv._table.TableError: {lines.pop()}", p.stderr[-2000:]
+        lines.add(p.stderr.strip().splitlines()[-1].removeprefix("ops_adv._table.TableError: "))
+
+
+def test_a_table_as_deep_as_an_export_still_loads(tmp_path, tuned_db, restore_table):
+    out = tmp_path / "dist"
+    assert cli("opsadv-export", "--device", "cpu", "--out", str(out), "--db", tuned_db).returncode == 0
+    assert ops_adv.load_table(str(out / "opsadv-table.json"))["cpu"]["gemm"]
+
+
+# ------------------------------------------------------------------------------------------ SQLite paths with # % ?
+
+@pytest.mark.parametrize("name", ["a#b.db", "a%41.db", "x?q.db", "p%3Fq#r%.db"])
+def test_sqlite_paths_with_url_characters_open_exactly_that_file(tmp_path, monkeypatch, restore_table, name):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    path = folder / name
+    p = cli("opsadv-db", "upgrade", str(path))
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.name for f in folder.iterdir() if not f.name.endswith(("-wal", "-shm"))) == sorted([name, f"{name}.lock"] if
+           (folder / f"{name}.lock").exists() else [name])
+    _fill(db.normalize(str(path)))  # the URL the tuner makes of the path opens that file again
+    with sqlite3.connect(path) as con:
+        assert con.execute("select count(*) from opsadv_winners").fetchone() == (1,)
+    p = cli("opsadv-export", "--device", "cpu", "--out", str(tmp_path / "out"), "--db", str(path))
+    assert p.returncode == 0, p.stderr
+    # the runtime reads the same file, given as OPS_ADV_DB or as a path in OPS_ADV_TABLE
+    for var in ("OPS_ADV_DB", "OPS_ADV_TABLE"):
+        monkeypatch.delenv("OPS_ADV_TABLE", raising=False)
+        monkeypatch.delenv("OPS_ADV_TABLE_KEY", raising=False)
+        monkeypatch.setenv(var, str(path))
+        assert ops_adv.load_table()["cpu"]["gemm"], var
+    assert sorted(f.name for f in folder.iterdir() if not f.name.endswith(("-wal", "-shm", ".lock"))) == [name]
+
+
+# ------------------------------------------------------------------------------------------ runtime settings
+
+def test_a_table_setting_that_names_no_file_is_an_error(monkeypatch, restore_table):
+    for spec in (":", "::", " : "):
+        monkeypatch.setenv("OPS_ADV_TABLE", spec)
+        with pytest.raises(_table.TableError, match="names no file"):
+            ops_adv.load_table()
+    p = run_cli("-m", "ops_adv", "check", env={"OPS_ADV_TABLE": ":"})
+    assert "names no file" in _one_error_line(p)
+
+
+def test_tilde_is_expanded_in_the_runtimes_table_and_database_paths(tmp_path, tuned_db, monkeypatch, restore_table):
+    out = tmp_path / "dist"
+    assert cli("opsadv-export", "--device", "cpu", "--out", str(out), "--db", tuned_db).returncode == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("OPS_ADV_TABLE_KEY", raising=False)
+    for var, value in (("OPS_ADV_TABLE", "~/dist/opsadv-table.json"), ("OPS_ADV_TABLE", "~/tuning.db"),
+                       ("OPS_ADV_DB", "~/tuning.db")):
+        monkeypatch.delenv("OPS_ADV_TABLE", raising=False)
+        monkeypatch.setenv(var, value)
+        assert ops_adv.load_table()["cpu"]["gemm"], (var, value)
+
+
+def test_a_folder_as_the_database_is_called_a_folder(tmp_path, monkeypatch, restore_table):
+    monkeypatch.delenv("OPS_ADV_TABLE", raising=False)
+    for value in (str(tmp_path), f"sqlite:///{tmp_path}"):
+        monkeypatch.setenv("OPS_ADV_DB", value)
+        with pytest.raises(_table.TableError) as e:
+            ops_adv.load_table()
+        assert "is a folder" in str(e.value) and "does not exist" not in str(e.value), str(e.value)
