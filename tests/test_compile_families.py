@@ -7,6 +7,7 @@ enough to catch that class of failure; one family also goes through inductor."""
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -47,6 +48,7 @@ def _rewritten_forwards(model: torch.nn.Module) -> list:
     for m in model.modules():
         f = m.__dict__.get("forward")
         for f in (getattr(f, "func", f), type(m).forward):  # a converted module's forward is a partial on it
+            f = inspect.unwrap(f)  # the class's decorators wrap the rewritten forward as they wrapped its own
             code = getattr(f, "__code__", None)
             if code is not None and code.co_filename.endswith("(ops_adv fused)"):
                 out.append(f)

