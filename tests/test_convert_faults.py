@@ -200,3 +200,29 @@ def test_a_replica_computes_with_its_own_weights(layer):
         want, got = run(replicas[0]), run(replicas[1])
         close(got, want)
         assert not torch.allclose(got, run(conv))
+
+
+# --------------------------------------------------------------------------- MoE experts
+
+MOE = {
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**TINY, num_experts=4, moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=64),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_moe_experts_keep_transformers_own_implementation(family):
+    """The experts' decorator (transformers' experts interface: grouped_mm) was stripped by the swiglu rewrite:
+    the eager per-expert loop ran, torch.export and compile(fullgraph=True) failed, 10-11 graph breaks."""
+    ref, conv = _pair(MOE[family]())
+    experts = [(n, m) for n, m in conv.named_modules() if n.endswith("mlp.experts")]
+    assert experts and all("forward" not in m.__dict__ for _, m in experts)
+    rows = {r["module"]: r for r in ops_adv.explain_model(conv)}
+    assert all(rows[n]["converted"] == "no" and "transformers" in rows[n]["why"] for n, _ in experts), rows
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+        close(conv(ids).logits, want)
+        torch._dynamo.reset()
+        close(torch.compile(conv, fullgraph=True, backend="eager")(ids).logits, want)
