@@ -311,6 +311,9 @@ class DatabaseFile:
         self.ident = (st.st_dev, st.st_ino)
         # mode=rw: never creates a file; WAL readers see every commit of the run's other connections
         self._conn = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True, check_same_thread=False)
+        # a first read opens the write-ahead log and its index now: once unlinked they cannot be opened by name
+        # (a backup through a connection that never read failed with "disk I/O error")
+        self._conn.execute("select count(*) from sqlite_master").fetchall()
         st = os.stat(self.path)
         if (st.st_dev, st.st_ino) != self.ident:  # replaced between the two looks: watch nothing rather than the wrong file
             self._conn.close()

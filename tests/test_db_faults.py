@@ -313,3 +313,85 @@ def test_a_folder_as_the_database_is_called_a_folder(tmp_path, monkeypatch, rest
         with pytest.raises(_table.TableError) as e:
             ops_adv.load_table()
         assert "is a folder" in str(e.value) and "does not exist" not in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ a database deleted mid-tune
+
+def _tune(tmp_path: Path, url: str, *extra: str, problems: int = 1) -> subprocess.Popen:
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps({"gemm": [{"M": 64 + 8 * i, "N": 64, "K": 64} for i in range(problems)]}))
+    code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    return subprocess.Popen([sys.executable, "-c", code, "--device", "cpu", "--ops", "gemm", "--shapes", str(shapes),
+                             "--db", url, "--plugin", "plugins.slow", "--impls", "slow_matmul", "--progress", "plain", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_trials(p: subprocess.Popen, path: Path, n: int) -> None:
+    """Until the tune at `path` has stored `n` trials (read through a connection of our own, never creating the file)."""
+    import time
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.5)
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as con:
+                if con.execute("select count(*) from opsadv_trials").fetchone()[0] >= n:
+                    return
+        except sqlite3.Error:
+            continue
+    raise AssertionError(f"the tune stored fewer than {n} trials (rc {p.poll()})")
+
+
+@contextlib.contextmanager
+def _reaped(p: subprocess.Popen):
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_database_file_deleted_mid_tune_fails_and_saves_what_it_wrote(tmp_path, how):
+    path = tmp_path / "t.db"
+    with _reaped(_tune(tmp_path, f"sqlite:///{path}", "--trials", "30")) as p:
+        _wait_for_trials(p, path, 2)
+        path.unlink()
+        if how == "replaced":
+            with contextlib.closing(sqlite3.connect(path)) as con:
+                con.execute("create table other (x)")
+        out, err = p.communicate(timeout=300)
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert p.returncode == 2 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+    rescued = Path(f"{path}.rescued")
+    assert errors[0] == (f"opsadv-tune: error: the database file {path} was {how}{' by another file' if how == 'replaced' else ''} "
+                         f"while opsadv-tune was writing to it; run 1's trials and winners were saved beside it as "
+                         f"t.db.rescued: move that back to t.db and re-run the same command to resume"), errors[0]
+    assert "done" not in out  # no results table: nothing is reported as tuned
+    with Session(db.make_engine(f"sqlite:///{rescued}", must_exist=True)) as s:
+        from sqlalchemy import func, select
+
+        assert [r.status for r in s.scalars(select(db.Run))] == ["failed"]
+        assert s.scalar(select(func.count()).select_from(db.Trial)) >= 2
+        assert s.scalar(select(func.count()).select_from(db.models.Lease)) == 0
+    if how == "replaced":
+        with contextlib.closing(sqlite3.connect(path)) as con:  # the file put in its place is left alone
+            assert [r[0] for r in con.execute("select name from sqlite_master")] == ["other"]
+
+
+# ------------------------------------------------------------------------------------------ --timeout
+
+@pytest.mark.ray
+def test_a_timeout_that_leaves_problems_says_so_and_exits_3(tmp_path):
+    path = tmp_path / "t.db"
+    with _reaped(_tune(tmp_path, f"sqlite:///{path}", "--trials", "30", "--timeout", "1", problems=4)) as p:
+        out, err = p.communicate(timeout=300)
+    last = err.strip().splitlines()[-1]
+    assert p.returncode == 3 and "Traceback" not in err, err[-3000:]
+    assert last.startswith("opsadv-tune: stopped by --timeout 1 s with ") and "not started" in last, last
+    assert last.endswith("re-run the same command to tune them (exit status 3)"), last
+    with contextlib.closing(sqlite3.connect(path)) as con:
+        assert con.execute("select status from opsadv_runs").fetchall() == [("interrupted",)]

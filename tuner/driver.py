@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import random
-import shlex
 import socket
 import sys
 import time
@@ -146,9 +145,9 @@ class Tuner(StudySetup, Winners):
         rescued = f.rescue()
         run_id = getattr(self, "run_id", None)
         state = f"run {run_id}'s trials and winners" if run_id is not None else "what this run wrote"
-        if rescued:
-            kept = (f"{state} were saved to {rescued}; move that file back to {f.path} (mv {shlex.quote(rescued)} "
-                    f"{shlex.quote(f.path)}) and re-run the same command to resume")
+        if rescued:  # beside the old path: its name alone says where
+            kept = (f"{state} were saved beside it as {os.path.basename(rescued)}: move that back to "
+                    f"{os.path.basename(f.path)} and re-run the same command to resume")
         else:
             kept = f"{state} could not be saved and are lost; re-run the same command to tune again"
         return DatabaseError(f"the database file {f.path} {what} while opsadv-tune was writing to it; {kept}")
