@@ -46,7 +46,8 @@ def test_python_snippet_runs(n, tmp_path):
 
 # README command -> how to ask it for its flags
 _HELP = {"opsadv-tune": ["-m", "tuner", "tune"], "opsadv-export": ["-m", "tuner", "export"],
-         "opsadv-report": ["-m", "tuner", "report"], "opsadv-db": ["-m", "tuner", "db"]}
+         "opsadv-report": ["-m", "tuner", "report"], "opsadv-db": ["-m", "tuner", "db"],
+         "opsadv-record": ["-m", "tuner.record_cli"]}
 
 
 def command_lines() -> list[list[str]]:
