@@ -28,6 +28,7 @@ STAGES=(  # name | limit s | what it runs
   "e2e-tune       | 330 | record the e2e models' problems (E2E_TUNE_CASES), tune them (TUNE_S), export \$OUT/e2e-tune/opsadv-table.json"
   "generate-tune  | 420 | issue 28: model.tune_for_hardware(max_new_tokens=...) on Llama-3-8B dims (GEN_BATCHES, GEN_PROMPTS, TUNE_S, TRIALS), census before/after, export \$OUT/generate-tune/opsadv-table.json"
   "borrowed       | 200 | issue 28: benchmarks/borrowed_decode.py (decode_attention winners fitted to other batches and caches against a sweep's best)"
+  "profile        | 400 | benchmarks/step_profile.py (PROFILE_ARGS) with TABLE: the CUDA kernels of one decode step per variant (ours, compiled, graphed)"
   "e2e            | 560 | benchmarks/e2e_model.py (E2E_CASES, E2E_ARGS) with TABLE: each case in its own process"
   "decode-step    | 500 | benchmarks/decode_step.py (DECODE_STEP_ARGS) with TABLE: Llama-3-8B decode per layer against the HBM bound, generate() tok/s"
   "recompiles     | 420 | why compile(converted) recompiles in decode (TORCH_LOGS=recompiles), original and converted"
@@ -173,6 +174,10 @@ stage() {
     timeout 30 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1  # Ray's workers may hold the GPU
     step export 60 python3 -m tuner export --device "$dev" --out "$D" --db "sqlite:///$db" \
       && step check 30 python3 -m ops_adv check "$D/opsadv-table.json" ;;
+  profile)
+    local tbl; tbl=$(table_or_none)
+    echo "table: ${tbl:-none (every op runs its default)}"
+    TAIL=60 step profile 390 python3 benchmarks/step_profile.py ${tbl:+--table "$tbl"} ${PROFILE_ARGS:-} --out "$D" ;;
   borrowed)
     TAIL=30 step borrowed 190 python3 benchmarks/borrowed_decode.py --out "$D" ;;
   e2e)
