@@ -3,8 +3,11 @@
 The database only gets better: a time far from what the same configuration measured before
 (in this run's search, earlier runs, or the stored winner) is measured again before it is
 stored, each finalist keeps its least contended round, and a stored winner is replaced only by
-a faster one measured under the same stack. What was measured and not stored is kept with the
-winner (opsadv_winners.history).
+a faster one measured under the same stack. A vendor time slower than every earlier measurement
+of that vendor kernel for the problem (all its trials on this device, beyond their spread) is
+contention, not a baseline: the speedup is taken against the vendor's history instead, and when
+that decides the winner the finalists are measured again first. What was measured and not stored
+is kept with the winner (opsadv_winners.history).
 
 Tuner mixes Winners in; the methods use the run's engine, options (`o`), device_id, run_id,
 conditions, leases and log.
@@ -18,9 +21,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 import kernel_space
-from db import Problem, Winner
+from db import Problem, Trial, Winner
 from db.models import utcnow
 from kernel_space import problem_key
+from workers.measure import OK
 
 from .leases import lease_s
 from .study import Task, _params_key
@@ -28,6 +32,9 @@ from .study import Task, _params_key
 FAR = 3.0  # a time this factor slower than the same configuration's earlier times is measured again
 RECONFIRM = 2  # at most this many extra confirmation rounds
 HISTORY = 20  # entries kept in a winner's history
+# A vendor time agrees with an earlier measurement up to that measurement's spread (interquartile range), and at
+# least this share of it: a measurement whose repetitions all but coincide leaves room for ordinary noise.
+AGREE = 0.1
 
 
 def far(ms: float, earlier: list[float]) -> float | None:
@@ -41,6 +48,21 @@ def far(ms: float, earlier: list[float]) -> float | None:
         return None
     ref = statistics.median(earlier)
     return ref if ms > FAR * ref else None
+
+
+def disagrees(ms: float, history: list[tuple[float, float | None]]) -> float | None:
+    """The median of `history`'s times when `ms` is slower than every one of them beyond its spread, else None.
+
+    `history` holds (median_ms, spread_ms) of a vendor kernel's earlier measurements of one problem. A vendor time
+    past all of them is contention (another process, a neighbour's threads), and a speedup computed from it is
+    contention too (issue 30: a vendor measured 50.75 ms against 0.1345 ms in the search made a "231x" winner).
+    """
+    hist = [(m, s or 0.0) for m, s in history if m and m > 0]
+    if not hist or not ms or ms <= 0:
+        return None
+    if ms <= max(m + max(s, AGREE * m) for m, s in hist):
+        return None
+    return statistics.median(m for m, _ in hist)
 
 
 def choose(rows: list[dict]) -> tuple[dict, dict] | None:
@@ -107,7 +129,37 @@ class Winners:
         if st and st["same_stack"]:
             out.setdefault(_params_key(st["impl"], st["params"]), []).append(st["median_ms"])
             out.setdefault(_params_key(st["vendor_impl"], {}), []).append(st["vendor_ms"])
+        for c in task.finalists:  # a vendor's whole history: earlier runs and other studies of the problem too
+            if c["vendor"]:
+                out[c["key"]] = [m for m, _ in self._vendor_history(task, c["impl"])] + out.get(c["key"], [])
         return out
+
+    def _vendor_history(self, task: Task, impl: str) -> list[tuple[float, float | None]]:
+        """(median_ms, spread_ms) of every ok measurement of vendor kernel `impl` for this problem on this device
+        (same fingerprint, same kernel version), from any run or study: the search's own measurement included."""
+        version = kernel_space.get_impl(task.op, impl).version
+        with Session(self.engine) as s:
+            return [tuple(r) for r in s.execute(
+                select(Trial.median_ms, Trial.spread_ms).where(
+                    Trial.problem_id == task.problem_id, Trial.device_id == self.device_id, Trial.impl == impl,
+                    Trial.kernel_version == version, Trial.status == OK, Trial.median_ms.is_not(None)))]
+
+    def _against_history(self, task: Task, rows: list[dict]) -> tuple[list[dict], dict | None]:
+        """`rows` with the vendor baseline's time taken from its history when the measured one disagrees with it
+        (see `disagrees`), and what was replaced ({"vendor", "measured_ms", "history_ms", "earlier"}) or None."""
+        picked = choose(rows)
+        if picked is None or not picked[1]["vendor"]:
+            return rows, None
+        vendor = picked[1]
+        hist = self._vendor_history(task, vendor["impl"])
+        ref = disagrees(vendor["median_ms"], hist)
+        if ref is None:
+            return rows, None
+        spread = statistics.median(s or 0.0 for _, s in hist)
+        fixed = {**vendor, "median_ms": ref, "spread_ms": spread}
+        times = sorted(m for m, _ in hist)
+        return [fixed if r is vendor else r for r in rows], {
+            "vendor": vendor["impl"], "measured_ms": vendor["median_ms"], "history_ms": ref, "earlier": times}
 
     def _confirmed(self, task: Task, times: dict) -> None:
         """One confirmation round done: measure again if the best or the vendor is an outlier, else store."""
@@ -118,9 +170,13 @@ class Winners:
         rows = [{**c, **min(task.confirms[c["key"]], key=lambda t: t["median_ms"])} for c in task.finalists if c["key"] in task.confirms]
         rounds = max((len(v) for v in task.confirms.values()), default=0)
         odd = outliers(rows, self._earlier(task))
+        if not odd and rounds <= RECONFIRM and (picked := choose(rows)) is not None:
+            fixed, note = self._against_history(task, rows)
+            if note and choose(fixed)[0]["key"] != picked[0]["key"]:  # the winner rests on a vendor time its history denies
+                odd = [(picked[1], note["history_ms"])]
         if odd and rounds <= RECONFIRM:
             r, ref = odd[0]
-            self.log(f"  {task.label}: {r['impl']} measured {r['median_ms']:.4g} ms, far from its {ref:.4g} ms before; "
+            self.log(f"  {task.label}: {r['impl']} measured {r['median_ms']:.4g} ms against its {ref:.4g} ms before; "
                      f"measuring the finalists again")
             task.state = "confirm"
             return
@@ -129,12 +185,21 @@ class Winners:
     def _write_winner(self, task: Task, confirmed: list[dict] | None) -> None:
         """Store the winner, unless the stored one (same kernels, same stack) is as fast: then keep it and record this run's."""
         task.state = "done"
-        picked = choose(confirmed if confirmed is not None else task.results)
+        rows, note = self._against_history(task, confirmed if confirmed is not None else task.results)
+        picked = choose(rows)
         if picked is None:
             self.log(f"  {task.label}: no candidate ran correctly; nothing stored")
             return
         best, vendor = picked
         speedup = vendor["median_ms"] / best["median_ms"]
+        if note:
+            e = note["earlier"]
+            span = f"{e[0]:.4g} ms" if len(e) == 1 else f"{e[0]:.4g}-{e[-1]:.4g} ms"
+            self.log(
+                f"  {task.label}: {note['vendor']} measured {note['measured_ms']:.4g} ms in the final re-measurement, slower "
+                f"than its {len(e)} earlier measurement{'s' if len(e) > 1 else ''} ({span}) beyond their spread: contended, "
+                f"so its history's {note['history_ms']:.4g} ms is its time"
+                + ("; keeping the vendor kernel" if best["vendor"] else f"; the speedup is taken against that ({speedup:.2f}x)"))
         if not self.leases.holds(task.problem_id):
             self.log(f"  {task.label}: its lease passed to another tuner (no heartbeat for {lease_s():.0f} s); not storing")
             return
@@ -142,6 +207,8 @@ class Winners:
         if any(len(v) > 1 for v in task.confirms.values()):  # an outlier was measured again: every round is data
             rounds = {"rounds": {c["impl"] + (f" {c['params']}" if c["params"] else ""): [t["median_ms"] for t in task.confirms[c["key"]]]
                                  for c in task.finalists if c["key"] in task.confirms}}
+        if note:  # what the vendor measured, beside the history time stored as vendor_ms
+            rounds["vendor_measured_ms"] = note["measured_ms"]
         with Session(self.engine) as s:
             old = s.scalars(select(Winner).filter_by(device_class=self.o.device, problem_id=task.problem_id)).first()
             history = list((old.history or []) if old is not None else [])
