@@ -245,6 +245,10 @@ def job_generate(job: dict, args: Any, progress: Any) -> dict:
             res["masks"][name] = {"s": tf, "tokens_per_s": B * new / tf, "ms_per_step": (tf - t1) / (new - 1) * 1e3,
                                   "first_token_s": t1, "warmup_s": warm, "tokens": toks}
         res["compiled"] = hasattr(m, "_compiled_call")  # generate really compiled the forward (or did not)
+        from torch._dynamo.utils import counters  # graphs compiled (1 per decode shape; more is a recompile) and breaks
+
+        res["dynamo_graphs"] = counters["stats"].get("unique_graphs", 0)
+        res["graph_breaks"] = sum(counters["graph_break"].values())
         cc = getattr(m, "_last_compile_config", None)
         res["compile_config"] = cc.to_dict() if res["compiled"] and hasattr(cc, "to_dict") else None
         if v == "converted":  # which implementation each op ran in a short generate, per mask
@@ -422,10 +426,13 @@ def markdown(info: dict, rows: list[dict]) -> str:
             agree = f"{d['agree']:.1f} ({d['prefix']}) / {len(d['tokens'][0])}" if "agree" in d else "-"
             extra = "" if r.get("compiled") == r["variant"].startswith("compile") else \
                 f"generate {'compiled' if r.get('compiled') else 'did not compile'} the forward"
+            if r.get("compiled"):
+                extra = (extra + "; " if extra else "") + f"{r.get('dynamo_graphs')} graphs, {r.get('graph_breaks')} breaks, " \
+                    f"TTFT {d.get('first_token_s', 0) * 1e3:.0f} ms" + (f" ({d['ttft_vs_compile']:.2f}x)" if d.get("ttft_vs_compile") else "")
             out.append(f"| {r['case']} {mk} | {r['variant']} | {d['ms_per_step']:.3f} | | | | {fmt(d.get('vs_compile'), '{:.2f}')} | "
                        f"{d['tokens_per_s']:.0f} | {agree} | {extra or note} |")
     passed = sum(t["pass"] for t in targets)
-    out += ["", f"Targets (issue 21): {passed} PASS, {len(targets) - passed} MISS", ""]
+    out += ["", f"Targets (issues 21, 28): {passed} PASS, {len(targets) - passed} MISS", ""]
     out += [f"- {'PASS' if t['pass'] else 'MISS'} {t['target']} — {t['case']}, {t['variant']}: "
             + (f"{t['value']:.1%}" if "bound" in t["target"] else f"{t['value']:.1f} tokens (floor {t['floor']:.1f})"
                if "floor" in t else f"{t['value']:.2f}x") for t in targets]
