@@ -2,7 +2,7 @@
 
 `fuse_conv_bn_relu(model)` rewrites an eval-mode model in place: each Conv2d -> BatchNorm2d
 (-> ReLU) that torch.fx finds in one module's forward runs as one `ConvBNReLU` call (weights
-folded once, in float64, refolded when they change) in a rewritten forward that the module uses
+folded on each call where that is cheaper than the BatchNorm pass, see `fold_bn`) in a rewritten forward that the module uses
 in eval mode. The conv and BatchNorm modules stay, so state_dict keys, checkpoints and train
 mode (which runs the module's own forward) are as before. The op itself is
 `ops_adv.ops.conv2d_bn_relu`.
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.conv2d import conv2d
 from ..ops.conv2d_bn_relu import conv2d_bn_relu
 
 
@@ -23,34 +24,15 @@ from ..ops.conv2d_bn_relu import conv2d_bn_relu
 
 
 def fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
-    """conv's weight and bias with the eval-mode BatchNorm after it folded in (float64, then conv's dtype).
+    """conv's weight and bias with the eval-mode BatchNorm after it folded in, from the tensors as they are now.
 
-    Cached on the conv and folded again when any of the six tensors changes (load_state_dict, .to(),
-    an in-place edit). Under torch.compile the cached fold is used without that check (reading data
-    pointers breaks the graph: 21 breaks in a converted ResNet-18), unless its dtype or device no
-    longer match; with no cached fold the fold is part of the graph.
+    Folded on each call, never cached: a cache cannot see edits through `.data` (EMA, weight surgery) nor
+    a compiled graph's inputs changing under it, and it doubled what the model holds and what
+    `torch.save(model)` writes. `fold_pays` keeps folding to the calls where it is cheaper than the
+    BatchNorm pass it removes.
     """
-    cached = conv.__dict__.get("_ops_adv_folded")
-    if torch.compiler.is_compiling():
-        if cached is not None and cached[1][0].dtype == conv.weight.dtype and cached[1][0].device == conv.weight.device:
-            return cached[1]
-        return _fold(conv, bn)
-    # Read through the modules' dicts (nn.Module.__getattr__ costs ~0.3 µs a name): 8 → 2.5 µs a call here.
-    # The weight's dtype and device: a freed tensor's address can come back for its converted copy.
-    cp, bp, bb = conv._parameters, bn._parameters, bn._buffers
-    w = cp["weight"]
-    key = (w.dtype, w.device) + tuple((t.data_ptr(), t._version) for t in (
-        w, cp.get("bias"), bp.get("weight"), bp.get("bias"), bb["running_mean"], bb["running_var"]) if t is not None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    with torch.no_grad():
-        folded = _fold(conv, bn)
-    conv.__dict__["_ops_adv_folded"] = (key, folded)
-    return folded
-
-
-def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
-    hi = torch.float64
+    w = conv.weight
+    hi = torch.float64 if w.dtype == torch.float64 else torch.float32
     scale = torch.rsqrt(bn.running_var.to(hi) + bn.eps)
     if bn.weight is not None:
         scale = scale * bn.weight.to(hi)
@@ -59,10 +41,26 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tens
         shift = shift + bn.bias.to(hi)
     if conv.bias is not None:
         shift = shift + conv.bias.to(hi) * scale
-    fmt = torch.channels_last if conv.weight.is_contiguous(memory_format=torch.channels_last) \
-        and not conv.weight.is_contiguous() else torch.contiguous_format
-    w = (conv.weight.to(hi) * scale.view(-1, 1, 1, 1)).to(conv.weight.dtype).contiguous(memory_format=fmt)
-    return w, shift.to(device=conv.weight.device, dtype=conv.weight.dtype)
+    fmt = torch.channels_last if w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() \
+        else torch.contiguous_format
+    folded = (w.to(hi) * scale.view(-1, 1, 1, 1)).to(w.dtype).contiguous(memory_format=fmt)
+    return folded, shift.to(device=w.device, dtype=w.dtype)
+
+
+def fold_pays(conv: nn.Conv2d, x: torch.Tensor) -> bool:
+    """Whether folding (a pass over the weight) costs no more than the BatchNorm pass over the conv's output it
+    saves: early, wide-activation layers fold; late ones with large weights and small outputs run conv then BN."""
+    if x.dim() != 4:  # BatchNorm2d refuses other ranks: unfolded, so it still does
+        return False
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv.kernel_size, conv.stride, conv.padding, conv.dilation
+    ho = (x.shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (x.shape[-1] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    return conv._parameters["weight"].numel() <= x.shape[0] * conv.out_channels * ho * wo
+
+
+def _bn_eval(bn: nn.BatchNorm2d, y: torch.Tensor) -> torch.Tensor:
+    """An eval-mode BatchNorm2d's output (what its forward computes there)."""
+    return F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
 
 
 class ConvBNReLU(nn.Module):
@@ -85,6 +83,9 @@ class ConvBNReLU(nn.Module):
         if torch.is_grad_enabled() and (conv._parameters["weight"].requires_grad or x.requires_grad):
             y = self.bn(F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation))
             return F.relu(y) if self.relu else y  # torch's graph gives the gradients (eval-mode BN)
+        if not fold_pays(conv, x):
+            y = _bn_eval(self.bn, conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation))
+            return y.relu_() if self.relu else y  # y is ours and nothing records it: in place, as the kernels do
         w, b = self.folded()
         return conv2d_bn_relu(x, w, b, conv.stride, conv.padding, conv.dilation, self.relu)
 
@@ -100,10 +101,6 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     and nothing observes the modules it skips; else its class's forward (decided per call)."""
     if _fused_ok(self):
         return self.__dict__["_ops_adv_fused_graph"](*args, **kwargs)
-    for conv, bn in self.__dict__["_ops_adv_fused_pairs"]:
-        if bn.training:  # batch norm in train mode updates its statistics without a version bump
-            if conv.__dict__.get("_ops_adv_folded") is not None:
-                conv.__dict__["_ops_adv_folded"] = None
     return type(self).forward(self, *args, **kwargs)
 
 
@@ -262,7 +259,6 @@ def _fuse_in(owner: nn.Module, graph: torch.fx.Graph, prefix: str, parents: dict
         relu = users[0] if len(users) == 1 and _is_relu(users[0], modules, n) else None
         site = f"_ops_adv_site_{len(sites)}"
         sites[site] = ConvBNReLU(conv, bn, relu is not None)
-        sites[site].folded()  # folded once now, so a compiled graph finds the fold ready
         src.target = site
         bn.__dict__["_ops_adv_fused"] = True
         n.replace_all_uses_with(src)

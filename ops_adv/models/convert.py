@@ -102,24 +102,18 @@ def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.padding_mode != "zeros" or isinstance(self.padding, str):
         return type(self).forward(self, x)
     bn = self.__dict__.get("_ops_adv_bn")
-    if bn is not None:
-        if _fold_now(self, bn):
-            w, b = _folded(self, bn)
-            return conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
-        if bn.training:  # batch norm in train mode updates its statistics without a version bump: fold again later
-            if self.__dict__.get("_ops_adv_folded") is not None:
-                self.__dict__["_ops_adv_folded"] = None
+    if bn is not None and _fold_now(self, bn) and conv_bn.fold_pays(self, x):
+        w, b = conv_bn.fold_bn(self, bn)
+        return conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
     return conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
-
-
-def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
-    return conv_bn.fold_bn(conv, bn)
 
 
 def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
     conv = self.__dict__.get("_ops_adv_conv")
-    if conv is not None and _fold_now(conv, self):
-        return x  # folded into the conv before it (the same decision, on the same state)
+    # folded into the conv before it: the same decision, on the same state (x has the conv's output's size)
+    if conv is not None and _fold_now(conv, self) and x.dim() == 4 \
+            and conv._parameters["weight"].numel() <= x.numel():
+        return x
     return type(self).forward(self, x)
 
 
@@ -395,7 +389,6 @@ def _fold_batch_norms(model: nn.Module) -> list[dict[str, str]]:
             continue
         conv.__dict__["_ops_adv_bn"] = bn  # plain attributes: state_dict keys stay the same
         bn.__dict__["_ops_adv_conv"] = conv
-        _folded(conv, bn)  # folded once now, so a compiled graph finds the fold ready
         _swap(bn, _bn_forward)
         out.append({"module": n.target, "type": "BatchNorm2d", "converted": "yes",
                     "why": f"folded into {src.target} in eval mode where no parameter of the pair requires grad and "
