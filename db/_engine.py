@@ -385,3 +385,130 @@ class DatabaseFile:
 
 class DatabaseGone(DatabaseError):
     """The SQLite file of a running tune was deleted or replaced (see DatabaseFile)."""
+
+
+# ---- a database that goes away for a while (a server restart) ----------------------------------------------------
+
+def transient(e: BaseException) -> bool:
+    """Whether waiting may cure database error `e`: a connection cut or refused (a PostgreSQL restart, a network
+    blip) or SQLite busy. A login refused, a missing database, a full disk or a bad query are not."""
+    from sqlalchemy.exc import DBAPIError, DisconnectionError
+
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, DisconnectionError) or (isinstance(cur, DBAPIError) and cur.connection_invalidated):
+            return True
+        orig = getattr(cur, "orig", None)
+        if isinstance(orig, BaseException) and id(orig) not in seen:
+            cur = orig
+            continue
+        kind, text = type(cur), str(cur).lower()
+        if kind.__module__.startswith("psycopg") and any(c.__name__ == "OperationalError" for c in kind.__mro__):
+            state = getattr(cur, "sqlstate", None) or ""
+            if state.startswith(("08", "57P")):  # connection exception; admin shutdown, crash shutdown, cannot connect now
+                return True
+            refused = ("authentication", "password", "does not exist", "permission denied", "no pg_hba", "not permitted")
+            return not state and not any(k in text for k in refused)  # connecting failed: refused, reset, shutting down
+        if kind.__module__ == "sqlite3" and ("database is locked" in text or "database is busy" in text):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the first error in `e`'s chain that says something (a cut connection's may be empty)."""
+    seen: set[int] = set()
+    cur: BaseException | None = driver_error(e) or e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        lines = str(cur).strip().splitlines()
+        if lines and re.search(r"[A-Za-z]{3}", lines[0]):
+            return re.sub(r"^\([\w.]+\) ", "", lines[0])  # without SQLAlchemy's "(psycopg.OperationalError) "
+        cur = getattr(cur, "orig", None) or cur.__cause__ or cur.__context__
+    return "the connection was cut"
+
+
+class Outage:
+    """How a running tune rides out its database going away: every operation that fails transiently waits with
+    backoff (0.5 s doubling to 5 s) and runs again, until the outage has lasted `window_s`; then the error stands.
+    One line when it starts and one when it ends, whatever the number of threads and operations waiting."""
+
+    def __init__(self, url: str, log, window_s: float) -> None:
+        import threading
+
+        self.url, self.log, self.window_s = url, log, window_s
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._what = ""
+
+    def again(self, what: str) -> None:
+        """A fresh window for one last thing to write (`what`, said in the line when it has to wait)."""
+        with self._lock:
+            self._since, self._what = None, f" {what}"
+
+    def wait(self, e: BaseException, attempt: int) -> None:
+        """Sleep before attempt `attempt` + 1 of an operation that failed with `e`; re-raises `e` when it is not
+        transient or the outage has outlasted the window."""
+        import time
+
+        if not transient(e):
+            raise e
+        now = time.monotonic()
+        with self._lock:
+            if self._since is None:
+                self._since = now
+                first = _reason(e)
+                self.log(f"lost the database {redact(self.url)} ({redact(first, self.url)[:160]}); retrying for up to "
+                         f"{self.window_s:g} s (OPS_ADV_DB_RETRY_S){self._what}")
+            since = self._since
+        if now - since >= self.window_s:
+            raise e
+        time.sleep(min(0.5 * 2 ** attempt, 5.0, max(0.05, since + self.window_s - now)))
+
+    def over(self) -> None:
+        """An operation went through: the outage, if any, is over."""
+        import time
+
+        if self._since is None:
+            return
+        with self._lock:
+            if self._since is not None:
+                self.log(f"the database is back after {time.monotonic() - self._since:.1f} s; going on")
+                self._since = None
+
+    def run(self, fn, *args, **kw):
+        """fn(*args, **kw), run again while it fails transiently (see wait)."""
+        attempt = 0
+        while True:
+            try:
+                out = fn(*args, **kw)
+            except Exception as e:
+                self.wait(e, attempt)
+                attempt += 1
+                continue
+            self.over()
+            return out
+
+    def watch(self, engine: "Engine") -> None:
+        """New connections of `engine` wait out the outage too (pool_pre_ping drops the dead ones first)."""
+        import logging
+
+        from sqlalchemy import event
+
+        # the pool logs each dead connection it fails to roll back ("Exception during reset or similar") with a
+        # traceback through logging's last resort; the outage's own two lines say it (a configured logger still sees it)
+        pool_log = logging.getLogger("sqlalchemy.pool")
+        if not any(isinstance(h, logging.NullHandler) for h in pool_log.handlers):
+            pool_log.addHandler(logging.NullHandler())
+
+        @event.listens_for(engine, "do_connect")
+        def _connect(dialect, _rec, cargs, cparams):
+            attempt = 0
+            while True:
+                try:
+                    return dialect.connect(*cargs, **cparams)
+                except Exception as e:
+                    self.wait(e, attempt)
+                    attempt += 1

@@ -56,3 +56,21 @@ def compile_keeps_operators() -> bool:
     where the table leaves the op to vendor kernels (the graph then never depends on the table). By default
     such ops trace as torch's own functions, which Inductor can fuse."""
     return os.environ.get("OPS_ADV_COMPILE_OPERATORS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+DB_RETRY_DEFAULT = 60.0
+
+
+def db_retry_s() -> float:
+    """OPS_ADV_DB_RETRY_S: how long a running tune waits for its database to come back (a server restarting, a
+    connection cut, SQLite busy) before it fails with one line; 0 fails at once. Default 60 s."""
+    raw = os.environ.get("OPS_ADV_DB_RETRY_S", "").strip()
+    try:
+        value = float(raw) if raw else DB_RETRY_DEFAULT
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        warnings.warn(f"OPS_ADV_DB_RETRY_S={raw[:40]!r} is not a number of seconds >= 0; using {DB_RETRY_DEFAULT:g}",
+                      RuntimeWarning, stacklevel=2)
+        value = DB_RETRY_DEFAULT
+    return value

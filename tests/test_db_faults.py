@@ -317,11 +317,11 @@ def test_a_folder_as_the_database_is_called_a_folder(tmp_path, monkeypatch, rest
 
 # ------------------------------------------------------------------------------------------ a database deleted mid-tune
 
-def _tune(tmp_path: Path, url: str, *extra: str, problems: int = 1) -> subprocess.Popen:
+def _tune(tmp_path: Path, url: str, *extra: str, problems: int = 1, env: dict | None = None) -> subprocess.Popen:
     shapes = tmp_path / "s.json"
     shapes.write_text(json.dumps({"gemm": [{"M": 64 + 8 * i, "N": 64, "K": 64} for i in range(problems)]}))
     code = "import sys; from tuner.cli import tune_main as m; sys.exit(m(sys.argv[1:]))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env or {})}
     return subprocess.Popen([sys.executable, "-c", code, "--device", "cpu", "--ops", "gemm", "--shapes", str(shapes),
                              "--db", url, "--plugin", "plugins.slow", "--impls", "slow_matmul", "--progress", "plain", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -395,3 +395,162 @@ def test_a_timeout_that_leaves_problems_says_so_and_exits_3(tmp_path):
     assert last.endswith("re-run the same command to tune them (exit status 3)"), last
     with contextlib.closing(sqlite3.connect(path)) as con:
         assert con.execute("select status from opsadv_runs").fetchall() == [("interrupted",)]
+
+
+# ------------------------------------------------------------------------------------------ PostgreSQL restarts mid-tune
+
+def _pg_bin() -> Path | None:
+    for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True) if Path("/usr/lib/postgresql").is_dir() else []:
+        if (d / "initdb").exists() and (d / "pg_ctl").exists():
+            return d
+    found = shutil.which("pg_ctl")
+    return Path(found).parent if found and shutil.which("initdb") else None
+
+
+class _Server:
+    """A PostgreSQL server of the test's own (initdb in a temporary folder, trust login, a free port), so that
+    stopping it disturbs no other test or user of the machine's cluster. As root it runs as the postgres user."""
+
+    def __init__(self, folder: Path) -> None:
+        import socket
+        import pwd
+
+        self.bin = _pg_bin()
+        self.dir = folder
+        self.user: list[str] = []
+        if os.geteuid() == 0:
+            try:
+                pwd.getpwnam("postgres")
+            except KeyError:
+                pytest.skip("running as root without a postgres user to run a server as")
+            shutil.chown(folder, "postgres")
+            self.user = ["runuser", "-u", "postgres", "--"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._run("initdb", "-D", str(folder / "data"), "-U", "opsadv", "--auth=trust", "-E", "UTF8")
+        self.start()
+        self.url = f"postgresql://opsadv@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, tool: str, *args: str) -> None:
+        p = subprocess.run([*self.user, str(self.bin / tool), *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+
+    def start(self) -> None:
+        self._run("pg_ctl", "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "-o",
+                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1", "start")
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.dir / "data"), "-m", "fast", "-w", "stop")
+
+
+@pytest.fixture
+def pg_server():
+    import tempfile
+
+    if _pg_bin() is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl)")
+    folder = Path(tempfile.mkdtemp(prefix="opsadv-pg-"))
+    server = None
+    try:
+        server = _Server(folder)
+        yield server
+    finally:
+        if server is not None:
+            with contextlib.suppress(Exception):
+                server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Lines:
+    """A process's stderr, line by line as it comes, with a wait for a line that contains some text."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._new:
+                self.lines.append(line.rstrip("\n"))
+                self._new.notify_all()
+        with self._new:
+            self.lines.append(None)  # end of stream
+            self._new.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 300) -> str:
+        with self._new:
+            ok = self._new.wait_for(lambda: any(line is None or text in line for line in self.lines), timeout)
+            hit = [line for line in self.lines if line is not None and text in line]
+        assert ok and hit, f"no line with {text!r} in:\n" + "\n".join(filter(None, self.lines))[-3000:]
+        return hit[0]
+
+    def text(self) -> str:
+        self._thread.join(60)
+        return "\n".join(line for line in self.lines if line is not None)
+
+
+def _pg_count(url: str, sql: str) -> int:
+    import psycopg
+
+    with psycopg.connect(url, connect_timeout=5) as con:
+        return con.execute(sql).fetchone()[0]
+
+
+def _wait_pg_trials(p, url: str, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.5)
+        try:
+            if _pg_count(url, "select count(*) from opsadv_trials") >= n:
+                return
+        except Exception:
+            continue
+    raise AssertionError(f"the tune stored fewer than {n} trials (rc {p.poll()})")
+
+
+@pytest.mark.postgres
+@pytest.mark.ray
+def test_a_postgres_restart_mid_tune_is_waited_out(tmp_path, pg_server):
+    import time
+
+    with _reaped(_tune(tmp_path, pg_server.url, "--trials", "12", problems=2)) as p:
+        err = _Lines(p.stderr)
+        _wait_pg_trials(p, pg_server.url, 3)
+        pg_server.stop()
+        time.sleep(15)  # the fault: a server down for 15 s, as a fleet database restarting
+        pg_server.start()
+        out = p.stdout.read()
+        p.wait(300)
+    text = err.text()
+    assert p.returncode == 0 and "Traceback" not in text and "opsadv-tune: error" not in text, text[-3000:]
+    assert "retrying for up to 60 s (OPS_ADV_DB_RETRY_S)" in err.wait_for(f"lost the database {pg_server.url} (")
+    err.wait_for("the database is back after ")
+    assert out.count("torch_matmul") >= 2  # the results table
+    assert _pg_count(pg_server.url, "select count(*) from opsadv_winners") == 2
+    assert _pg_count(pg_server.url, "select count(*) from opsadv_leases") == 0
+    assert _pg_count(pg_server.url, "select count(*) from opsadv_runs where status = 'finished'") == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.ray
+def test_a_postgres_outage_past_the_retry_window_is_one_line_and_the_run_marked_failed(tmp_path, pg_server):
+    url = pg_server.url
+    with _reaped(_tune(tmp_path, url, "--trials", "40", problems=2, env={"OPS_ADV_DB_RETRY_S": "10"})) as p:
+        err = _Lines(p.stderr)
+        _wait_pg_trials(p, url, 3)
+        pg_server.stop()
+        err.wait_for("retrying for up to 10 s (OPS_ADV_DB_RETRY_S) to mark run")  # the first window is over
+        pg_server.start()
+        p.wait(300)
+    text = err.text()
+    errors = [line for line in text.splitlines() if line.startswith("opsadv-tune: error")]
+    assert p.returncode == 2 and "Traceback" not in text and len(errors) == 1, text[-3000:]
+    assert errors[0].startswith(f"opsadv-tune: error: writing to the database {url} failed: ") and \
+        "the server went away" in errors[0] and errors[0].endswith("is marked failed"), errors[0]
+    assert _pg_count(url, "select count(*) from opsadv_leases") == 0
+    assert _pg_count(url, "select string_agg(status, ',' order by id) from opsadv_runs").endswith("failed")

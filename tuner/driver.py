@@ -24,9 +24,10 @@ from sqlalchemy.orm import Session
 
 import kernel_space
 from db import DatabaseError, Device, Run, normalize, open_db, redact
-from db._engine import DatabaseFile, DatabaseGone, driver_error, write_error
+from db._engine import DatabaseFile, DatabaseGone, Outage, driver_error, write_error
 from db.models import utcnow
 from kernel_space import OpsAdvError, get_op, impls, problem_key
+from ops_adv._settings import db_retry_s
 from workers.measure import OK, PRUNED
 
 from ._pool import NODE_LOST, Pool, _probe, start_ray
@@ -132,6 +133,36 @@ class Tuner(StudySetup, Winners):
             if getattr(self, "_db_file", None) is not None:
                 self._db_file.close()
 
+    def _db(self, fn, *args, **kw):
+        """fn(*args, **kw), a database operation that may run again: waits out a database outage (see Outage)."""
+        return self.outage.run(fn, *args, **kw)
+
+    def _told(self, task: Task, trial, status: str, value: float | None) -> None:
+        """_tell, riding out a database outage: a retry never tells a trial twice."""
+        tries = 0
+
+        def once():
+            nonlocal tries
+            tries += 1
+            self._tell(task, trial, status, value, again=tries > 1)
+
+        self._db(once)
+
+    def _setter(self, trial):
+        """trial.set_user_attr, each call riding out a database outage."""
+        return lambda key, value: self._db(trial.set_user_attr, key, value)
+
+    def _settle(self, fn, task: Task, *args) -> None:
+        """fn(task, *args): confirming or storing a task's winner, which changes the task before it writes; run again
+        after a database outage from the task as it was."""
+        saved = ({k: list(v) for k, v in task.confirms.items()}, task.state, list(task.finalists))
+
+        def once():
+            task.confirms, task.state, task.finalists = {k: list(v) for k, v in saved[0].items()}, saved[1], list(saved[2])
+            fn(task, *args)
+
+        self._db(once)
+
     def _check_db_file(self) -> None:
         """Stop when the SQLite file this run opened was deleted or replaced: writing on would lose every result."""
         f = getattr(self, "_db_file", None)
@@ -163,6 +194,11 @@ class Tuner(StudySetup, Winners):
             self.engine = open_db(o.db_url)
             self._db_file = DatabaseFile.of(o.db_url)  # an SQLite file deleted mid-run must stop the run, not lose it
             self.storage = optuna.storages.RDBStorage(url, engine_kwargs=kw)
+        # From here on a database that goes away (a server restart) is waited for, up to OPS_ADV_DB_RETRY_S: new
+        # connections wait in connect, and each operation cut mid-way runs again (see _db).
+        self.outage = Outage(o.db_url, lambda line: self.log(line), db_retry_s())
+        self.outage.watch(self.engine)
+        self.outage.watch(self.storage.engine)
         ops = ", ".join(dict.fromkeys(op for op, _ in o.problems))
         self.log(f"tuning {len(o.problems)} problem(s) of {ops} on {o.device} into {redact(o.db_url)}")
         owned = start_ray(o.ray_address, num_cpus=None)
@@ -210,22 +246,30 @@ class Tuner(StudySetup, Winners):
         self.conditions = dict(info.get("conditions") or {})
         items = self._prepare(fp)
         fp_hash = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
+        def device() -> int:
+            with Session(self.engine) as s:
+                did = _upsert(s, Device, {"fingerprint_hash": fp_hash}, {"device_class": o.device, "fingerprint": fp}).id
+                s.commit()
+                return did
+
         for _ in range(3):  # two tuners may add the same device at once
             try:
-                with Session(self.engine) as s:
-                    self.device_id = _upsert(s, Device, {"fingerprint_hash": fp_hash}, {"device_class": o.device, "fingerprint": fp}).id
-                    s.commit()
+                self.device_id = self._db(device)
                 break
             except IntegrityError:
                 continue
-        with Session(self.engine) as s:
-            run = Run(device_class=o.device, command=o.command, sampler=o.sampler, host=socket.gethostname()[:255],
-                      pid=os.getpid(), heartbeat_at=utcnow())
-            s.add(run)
-            s.commit()
-            self.run_id = run.id
+
+        def start() -> int:
+            with Session(self.engine) as s:
+                run = Run(device_class=o.device, command=o.command, sampler=o.sampler, host=socket.gethostname()[:255],
+                          pid=os.getpid(), heartbeat_at=utcnow())
+                s.add(run)
+                s.commit()
+                return run.id
+
+        self.run_id = self._db(start)
         self.leases = Leases(self.engine, o.device, self.run_id, lambda line: self.log(line))
-        self.leases.reap()
+        self._db(self.leases.reap)
         self.fingerprint = fp
         self.tasks: list[Task] = []
         self._left = 0
@@ -249,20 +293,25 @@ class Tuner(StudySetup, Winners):
         self._check_db_file()  # a file deleted after the last look in the loop: its winners went with it
         if self.status_error is not None:  # the run itself ended well
             raise self.status_error
-        return self.summary()
+        return self._db(self.summary)
 
     def _record_status(self, status: str) -> BaseException | None:
         """Write the run's final state and free its leases; the error when even that cannot be written (on a full
         SQLite disk a checkpoint may first make room in the write-ahead log)."""
+        def write() -> None:
+            with Session(self.engine) as s:
+                self.leases.release_all(s)
+                run = s.get(Run, self.run_id)
+                run.status = status
+                run.finished_at = utcnow()
+                s.commit()
+
+        # a window of its own: the run may be ending because an outage outlasted the first
+        self.outage.again(f"to mark run {self.run_id} {status} and release its leases")
         err = None
         for attempt in range(2):
             try:
-                with Session(self.engine) as s:
-                    self.leases.release_all(s)
-                    run = s.get(Run, self.run_id)
-                    run.status = status
-                    run.finished_at = utcnow()
-                    s.commit()
+                self._db(write)
                 return None
             except Exception as e:  # a full disk, a server gone: reported by run()
                 err = e
@@ -300,7 +349,7 @@ class Tuner(StudySetup, Winners):
                     f"{op} {problem_key(problem)} needs about {need / 2**30:.1f} GiB, more than the "
                     f"{mem / 2**30:.0f} GiB of {fingerprint.get('name')}; drop it from the shapes file"
                 )
-        self.existing = set(optuna.study.get_all_study_names(self.storage))
+        self.existing = set(self._db(optuna.study.get_all_study_names, self.storage))
         return items
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -351,7 +400,7 @@ class Tuner(StudySetup, Winners):
                 retry_at = time.monotonic() + min(5.0, lease_s() / 4)
             while pending and len(active) < window:
                 op, problem = pending.popleft()
-                task = self._claim_task(op, problem)
+                task = self._db(self._claim_task, op, problem)
                 if task == "held":
                     waiting.append((op, problem))
                 elif task is None:
@@ -381,7 +430,7 @@ class Tuner(StudySetup, Winners):
                     task.state = "confirm"
                 if task.state == "done":
                     active.remove(task)
-                    self.leases.release(task.problem_id)
+                    self._db(self.leases.release, task.problem_id)
                     if task.lost:  # another tuner has it now: wait for that one, as for a problem held at the start
                         tasks.remove(task)
                         waiting.append((task.op, task.problem))
@@ -413,7 +462,7 @@ class Tuner(StudySetup, Winners):
         now = time.monotonic()
         if now - task.checked_at < every_s:
             return True
-        if self.leases.holds(task.problem_id):
+        if self._db(self.leases.holds, task.problem_id):
             task.checked_at = now
             return True
         self._lose(task)
@@ -439,7 +488,7 @@ class Tuner(StudySetup, Winners):
             cands = task.finalists
             task.state = "confirming"
             if not cands:
-                self._write_winner(task, None)
+                self._settle(self._write_winner, task, None)
                 return None
             task.in_flight += 1
             args = (task.op, task.problem._asdict(), cands, 5)
@@ -459,9 +508,9 @@ class Tuner(StudySetup, Winners):
                 name, params = task.seeds.popleft()
                 fixed = {"impl": name} if len(task.tunables) > 1 else {}
                 fixed.update({f"{name}.{k}": v for k, v in params.items()})
-                task.study.enqueue_trial(fixed, skip_if_exists=False)
-            trial = task.study.ask()
-            trial.set_user_attr(RUN_ATTR, self.run_id)
+                self._db(task.study.enqueue_trial, fixed, skip_if_exists=False)
+            trial = self._db(task.study.ask)
+            self._db(trial.set_user_attr, RUN_ATTR, self.run_id)
             name, params = _suggest(trial, task.tunables)
             impl = kernel_space.get_impl(task.op, name)
             key = _params_key(name, params)
@@ -476,16 +525,16 @@ class Tuner(StudySetup, Winners):
                     nb = unseen_neighbour(tun, params, task.problem, self.backend, task.seen, self._rng)
                     if nb is not None and not task.seeds and task.asked < task.budget:
                         task.seeds.append((name, nb))
-                _set_attrs(trial.set_user_attr, {}, {"impl": name, "status": status})
-                self._tell(task, trial, status, value)
+                _set_attrs(self._setter(trial), {}, {"impl": name, "status": status})
+                self._told(task, trial, status, value)
                 continue
             why = impl.why_not(task.problem, params, self.backend)
             if why:
                 task.seen[key] = (PRUNED, None)
                 task.pruned += 1
-                self._record(task, trial.number, name, params, {"status": PRUNED, "error": why})
-                _set_attrs(trial.set_user_attr, {}, _trial_attrs(name, {"status": PRUNED, "error": why}))
-                self._tell(task, trial, PRUNED, None)
+                self._db(self._record, task, trial.number, name, params, {"status": PRUNED, "error": why})
+                _set_attrs(self._setter(trial), {}, _trial_attrs(name, {"status": PRUNED, "error": why}))
+                self._told(task, trial, PRUNED, None)
                 continue
             task.in_flight += 1
             task.asked += 1
@@ -507,9 +556,9 @@ class Tuner(StudySetup, Winners):
             return
         if kind == "confirm":
             if fail:
-                self._write_winner(task, None)  # the search's own times
+                self._settle(self._write_winner, task, None)  # the search's own times
             else:
-                self._confirmed(task, res)
+                self._settle(self._confirmed, task, res)
             return
         _, _, name, params, trial = job
         if fail:
@@ -525,10 +574,10 @@ class Tuner(StudySetup, Winners):
         else:
             task.failures += 1
             self.log(f"  {task.label}: {name} {params} -> {status}: {(res.get('error') or '').splitlines()[0][:160] if res.get('error') else ''}")
-        self._record(task, trial.number if trial is not None else None, name, params, res)
+        self._db(self._record, task, trial.number if trial is not None else None, name, params, res)
         try:
             if trial is not None:
-                _set_attrs(trial.set_user_attr, {}, _trial_attrs(name, res))
-            self._tell(task, trial, status, res.get("median_ms"))
+                _set_attrs(self._setter(trial), {}, _trial_attrs(name, res))
+            self._told(task, trial, status, res.get("median_ms"))
         except optuna.exceptions.UpdateFinishedTrialError:  # ended by the tuner that took the problem over
             self._lose(task)

@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from db import Run, normalize, redact
+from db._engine import transient
 from db.models import Lease, utcnow
 from ops_adv._table import sqlite_path
 
@@ -122,7 +123,8 @@ class Leases:
                     c.execute(update(Run).where(Run.id == self.run_id).values(heartbeat_at=now, status="running"))
                     c.execute(update(Lease).where(Lease.run_id == self.run_id).values(expires_at=now + timedelta(seconds=lease_s())))
             except Exception as e:  # a busy database: try again at the next beat
-                self.log(f"  heartbeat failed: {redact(str(e).splitlines()[0])[:200]}")
+                if not transient(e):  # a database gone for a while is the main thread's to say (Outage)
+                    self.log(f"  heartbeat failed: {redact(str(e).splitlines()[0])[:200]}")
 
     # ---- runs -------------------------------------------------------------------------------------
     def run_alive(self, run: Run | None) -> bool:

@@ -332,17 +332,19 @@ class StudySetup:
             if kernel_space.get_impl(task.op, impl).why_not(task.problem, params, self.backend) is None:
                 task.seeds.append((impl, params))
 
-    def _tell(self, task: Task, trial, status: str, value: float | None) -> None:
+    def _tell(self, task: Task, trial, status: str, value: float | None, again: bool = False) -> None:
+        """Tell Optuna a trial's outcome; `again`: a retry after a database outage, which may have stored the first
+        attempt before its answer was lost (then the trial is finished already and is not told twice)."""
         if trial is None:
             return
         if status == OK:
-            task.study.tell(trial, value)
+            task.study.tell(trial, value, skip_if_finished=again)
         elif status == PRUNED:
-            task.study.tell(trial, state=TrialState.PRUNED)
+            task.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=again)
         else:
             # crashed, hung, wrong, failed to compile: infinitely slow to TPE, which ignores FAIL trials and so proposed
             # them again and again (in replays: 205 of 300 asks near a failed region as FAIL, 30 as inf)
-            task.study.tell(trial, float("inf"))
+            task.study.tell(trial, float("inf"), skip_if_finished=again)
 
     def _record(self, task: Task, number: int | None, name: str, params: dict, res: dict) -> None:
         with Session(self.engine) as s:
