@@ -318,3 +318,65 @@ def test_a_saved_converted_resnet_holds_no_second_copy_of_its_weights():
             if isinstance(t, torch.Tensor)}
     extra = [v for m in conv.modules() for k, v in m.__dict__.items() if k.startswith("_ops_adv_fold")]
     assert not extra and not held
+
+
+# --------------------------------------------------------------------------- explain_model says what runs
+
+EXPLAIN = {
+    "bert": lambda: transformers.BertModel(transformers.BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64)),
+    "mixtral": lambda: transformers.AutoModelForCausalLM.from_config(MOE["mixtral"]()),
+    "qwen2_moe": lambda: transformers.AutoModelForCausalLM.from_config(MOE["qwen2_moe"]()),
+    "gemma2": lambda: transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**TINY, head_dim=16)),
+    "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, decoder_start_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("family", list(EXPLAIN))
+def test_explain_model_reports_the_attention_that_runs(family):
+    """BERT (encoder_hidden_states=None), Mixtral / Qwen2-MoE (output_router_logits=False) went back to the
+    original attention on every call; Gemma 2 (softcap) and T5 (position_bias) always do. All were reported
+    converted."""
+    from ops_adv.models import hf
+
+    torch.manual_seed(0)
+    ref = EXPLAIN[family]().eval()
+    conv = ops_adv.convert_model(copy.deepcopy(ref))
+    ids = _ids(2, 7)
+    kw = {"input_ids": ids, **({"decoder_input_ids": ids[:, :5]} if family == "t5" else {})}
+    hf.ROUTE_LOG = []
+    try:
+        with torch.no_grad():
+            got = conv(**kw)
+        routes = set(hf.ROUTE_LOG)
+    finally:
+        hf.ROUTE_LOG = None
+    with torch.no_grad():
+        want = ref(**kw)
+    close(got[0], want[0])
+    head = _rows(conv, module="", type="attention")[0]
+    if family in ("gemma2", "t5"):
+        assert routes == {"original"}
+        assert head["converted"] == "no"
+        rows = [r for r in ops_adv.explain_model(conv) if "Attention" in r["type"] and r["converted"] == "no"]
+        assert rows and all(("softcap" if family == "gemma2" else "position_bias") in r["why"] for r in rows), rows
+    else:
+        assert "original" not in routes and routes, routes
+        assert head["converted"] == "yes"
+
+
+def test_explain_model_does_not_list_layers_that_are_never_called():
+    """torchvision Swin's attention passes attn.qkv.weight / proj.weight to a function: reported converted."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    ref = torchvision.models.swin_t(num_classes=10).eval()
+    conv = ops_adv.convert_model(copy.deepcopy(ref))
+    rows = {r["module"]: r for r in ops_adv.explain_model(conv)}
+    for n in ("features.1.0.attn.qkv", "features.1.0.attn.proj"):
+        assert rows[n]["converted"] == "no" and "never called" in rows[n]["why"], rows[n]
+    assert rows["features.1.0.mlp.0"]["converted"] == "yes"
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        close(conv(x), ref(x))

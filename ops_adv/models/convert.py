@@ -218,6 +218,56 @@ def _extra_inputs(m: nn.Module) -> list[str]:
     return [p.name for p in params[2:]]
 
 
+_USES: dict[type, dict[str, set[str]]] = {}
+
+
+def _self_uses(cls: type) -> dict[str, set[str]]:
+    """How the forwards of cls (and its non-torch bases) use each `self.<name>`: the attributes read off it
+    (`self.qkv.weight` -> {"weight"}), "()" for a call or any other use. Empty when a source is not readable.
+    Forwards only (a whole class's source took 1.6 s for a Llama): a layer called from a helper and read in
+    forward is left unconverted, which changes nothing it computes."""
+    if cls in _USES:
+        return _USES[cls]
+    import ast
+    import inspect
+    import textwrap
+
+    uses: dict[str, set[str]] = {}
+    for c in cls.__mro__:
+        if c is object or c.__module__.startswith("torch.") or "forward" not in c.__dict__:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(c.__dict__["forward"]))))
+        except (OSError, TypeError, SyntaxError):
+            uses = {}
+            break
+        up = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" \
+                    and not isinstance(n.ctx, ast.Store):  # `self.qkv = nn.Linear(...)` is no use
+                p = up.get(n)
+                how = p.attr if isinstance(p, ast.Attribute) and p.value is n and p.attr != "forward" else "()"
+                uses.setdefault(n.attr, set()).add(how)
+    _USES[cls] = uses
+    return uses
+
+
+def _never_called(model: nn.Module) -> dict[int, str]:
+    """Leaf layers whose parent never calls them, only reads their tensors (torchvision Swin's attention passes
+    `self.qkv.weight` to a function): id -> why. Converting them would change nothing that runs."""
+    out: dict[int, str] = {}
+    for pname, parent in model.named_modules():
+        if type(parent).__module__.startswith("torch.nn") or not parent._modules:
+            continue
+        uses = _self_uses(type(parent))
+        for cname, child in parent._modules.items():
+            how = uses.get(cname)
+            if child is not None and how and "()" not in how and not child._modules:
+                out[id(child)] = (f"never called as a module: {type(parent).__name__} reads its "
+                                  f"{', '.join(sorted(how))} directly (nothing of ops_adv would run)")
+    return out
+
+
 def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from model.named_modules()
 
@@ -234,9 +284,13 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
     """
     report: list[dict[str, str]] = []
     meta: list[str] = []
+    uncalled = _never_called(model)
     for name, m in _walk(model):
         if converted(m):
             report.append({"module": name, "type": type(m).__name__, "converted": "yes", "why": "already converted"})
+            continue
+        if id(m) in uncalled:
+            report.append({"module": name, "type": type(m).__name__, "converted": "no", "why": uncalled[id(m)]})
             continue
         forward = next((f for cls, f in _FORWARDS.items() if type(m) is cls), None)
         if forward is not None and "forward" in m.__dict__:
@@ -283,7 +337,10 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
         report += _fuse_conv_bn_relu(model)
     report += _fold_batch_norms(model)
     if attention:
-        report += hf.use_attention(model)
+        rows = hf.use_attention(model)
+        if rows and "_ops_adv_attention" in model.__dict__:  # refreshed by explain_model: what calls took
+            model.__dict__["_ops_adv_attention_rows"] = (len(report), len(rows))
+        report += rows
     model._ops_adv_report = report
     model.tune_for_hardware = functools.partial(_tune_method, model)  # pickles, unlike a bound method
     for m in model.modules():
@@ -401,6 +458,9 @@ def explain_model(model: nn.Module) -> list[dict[str, str]]:
     report = getattr(model, "_ops_adv_report", None)
     if report is None:
         return [{"module": "", "type": type(model).__name__, "converted": "no", "why": "convert_model was not applied"}]
+    at = model.__dict__.get("_ops_adv_attention_rows")
+    if at is not None:  # attention is decided per call: say what the calls so far ran
+        return report[:at[0]] + hf.attention_rows(model) + report[at[0] + at[1]:]
     return list(report)
 
 

@@ -105,9 +105,126 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
         c = getattr(sub, "config", None)
         if c is not None and getattr(c, "_attn_implementation", None) == before:
             c._attn_implementation = "ops_adv"
-    return [{"module": "", "type": "attention", "converted": "yes",
-             "why": f"transformers attention '{before}' -> 'ops_adv' (decode steps with a static cache or grouped "
-                    "K/V heads run decode_attention; masks, dropout, GQA prefill run SDPA)"}]
+    for sub in model.modules():
+        kw = _attention_keywords(type(sub))
+        if kw:
+            why = _refusal(sub, kw)
+            if why is not None:  # every call would run the original: it always does, and the report says so
+                sub.__dict__["_ops_adv_attn_refused"] = why
+    return attention_rows(model)
+
+
+def attention_rows(model: nn.Module) -> list[dict[str, str]]:
+    """What runs in each attention module of a converted transformers model: refused at conversion (with why),
+    or the routes its calls took so far (ops_adv's attention, decode_attention, SDPA, the original)."""
+    before = {sub.__dict__.get("_ops_adv_attn_original") for sub in model.modules()} - {None}
+    rows, ours = [], 0
+    for name, sub in model.named_modules():
+        if _attention_keywords(type(sub)) is None or "_ops_adv_attn_original" not in sub.__dict__:
+            continue
+        orig = sub.__dict__["_ops_adv_attn_original"]
+        refused = sub.__dict__.get("_ops_adv_attn_refused")
+        seen = sub.__dict__.get("_ops_adv_routes") or {}
+        if refused:
+            rows.append({"module": name, "type": type(sub).__name__, "converted": "no",
+                         "why": f"{refused}: its '{orig}' attention runs"})
+        elif seen and set(seen) == {"original"}:
+            rows.append({"module": name, "type": type(sub).__name__, "converted": "no",
+                         "why": f"every call so far ({seen['original']}) passed keywords ops_adv does not compute: "
+                                f"its '{orig}' attention ran"})
+        else:
+            ours += 1
+            if seen:
+                rows.append({"module": name, "type": type(sub).__name__, "converted": "yes",
+                             "why": "calls so far: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items()))})
+    head = {"module": "", "type": "attention", "converted": "yes" if ours else "no",
+            "why": (f"transformers attention '{', '.join(sorted(before))}' -> 'ops_adv' in {ours} module(s), decided "
+                    "per call (decode steps with a static cache or grouped K/V heads run decode_attention; masks, "
+                    "dropout, GQA prefill run SDPA; keywords it does not compute run the original)") if ours else
+                   "no attention module runs ops_adv's attention (see the modules' rows)"}
+    return [head] + rows
+
+
+_KW_CACHE: dict[type, dict | None] = {}
+# Keywords of an attention call that are the call's tensors and flags, or decided per call.
+_NAMED = frozenset({"attention_mask", "query", "key", "value", "dropout", "scaling", "is_causal", "sliding_window"})
+
+
+def _attention_keywords(cls: type) -> dict | None:
+    """The keywords (name -> expression) cls.forward passes to the attention function it gets from transformers'
+    ALL_ATTENTION_FUNCTIONS, or None when it calls none (or its source is not readable)."""
+    if cls in _KW_CACHE:
+        return _KW_CACHE[cls]
+    import ast
+    import inspect
+    import textwrap
+
+    out = None
+    try:
+        fn = inspect.unwrap(cls.forward)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        tree = None
+    if tree is not None and not cls.__module__.startswith("torch."):
+        names = set()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None \
+                    and any(isinstance(x, ast.Name) and x.id == "ALL_ATTENTION_FUNCTIONS" for x in ast.walk(n.value)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    if isinstance(t, ast.Name):
+                        names.add(t.id)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names:
+                out = out or {}
+                out.update({k.arg: k.value for k in n.keywords if k.arg})
+    _KW_CACHE[cls] = out
+    return out
+
+
+class _Unknown(Exception):
+    pass
+
+
+def _static(expr: Any, module: nn.Module) -> Any:
+    """The value of `expr` (constants, self.<attr>..., getattr(..., "name", default), a if c else b) on `module`."""
+    import ast
+
+    if isinstance(expr, ast.Constant):
+        return expr.value
+    if isinstance(expr, ast.Name) and expr.id == "self":
+        return module
+    if isinstance(expr, ast.Attribute):
+        obj = _static(expr.value, module)
+        if not hasattr(obj, expr.attr):
+            raise _Unknown
+        return getattr(obj, expr.attr)
+    if isinstance(expr, ast.IfExp):
+        return _static(expr.body if _static(expr.test, module) else expr.orelse, module)
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr" \
+            and 2 <= len(expr.args) <= 3 and not expr.keywords:
+        obj, name = _static(expr.args[0], module), _static(expr.args[1], module)
+        return getattr(obj, name, _static(expr.args[2], module)) if len(expr.args) == 3 else getattr(obj, name)
+    raise _Unknown
+
+
+def _refusal(module: nn.Module, keywords: dict) -> str | None:
+    """Why every call of `module`'s attention would run the original implementation, or None: a keyword that
+    ops_adv does not compute, present on every call (Gemma 2's softcap, GPT-OSS's sinks, T5's position_bias)."""
+    for k, expr in keywords.items():
+        if k in _NAMED or k in _INERT:
+            continue
+        try:
+            v = _static(expr, module)
+        except _Unknown:
+            if k in ("position_bias", "s_aux", "sinks"):  # computed in the forward and passed on every call
+                return f"its attention is passed {k} (computed in its forward), which ops_adv does not compute"
+            continue
+        except Exception:
+            continue
+        if not _understood({k: v}, 0):
+            shown = f"{type(v).__name__}" if isinstance(v, torch.Tensor) else repr(v)
+            return f"its attention is passed {k}={shown}, which ops_adv does not compute"
+    return None
 
 
 def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any, Any]:
@@ -147,7 +264,8 @@ _ABSENT_OK = frozenset({"softcap", "s_aux", "position_bias", "head_mask", "outpu
 def _understood(kwargs: dict, Skv: int) -> bool:
     """Whether ops_adv computes what the model's own attention would with these extra keywords."""
     for k, v in kwargs.items():
-        if k in _INERT or k in _ABSENT_OK and (v is None or v is False or isinstance(v, (int, float)) and v == 0):
+        # None or False says nothing (BERT's encoder_hidden_states=None, MoE's output_router_logits=False)
+        if k in _INERT or v is None or v is False or k in _ABSENT_OK and isinstance(v, (int, float)) and v == 0:
             continue
         # A window at least as long as the keys changes nothing (the mask carries it where it does).
         if k == "sliding_window" and (v is None or isinstance(v, int) and Skv <= v):
@@ -211,8 +329,13 @@ def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     def log(route: str) -> None:
         if ROUTE_LOG is not None:
             ROUTE_LOG.append(route)
+        if not torch.compiler.is_compiling():  # what explain_model reports: the routes calls took
+            seen = module.__dict__.get("_ops_adv_routes")
+            if seen is None:
+                seen = module.__dict__["_ops_adv_routes"] = {}
+            seen[route] = seen.get(route, 0) + 1
 
-    if kwargs and not _understood(kwargs, Skv):
+    if module.__dict__.get("_ops_adv_attn_refused") or kwargs and not _understood(kwargs, Skv):
         log("original")
         return _original_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k in _INERT}  # the absent ones say nothing
