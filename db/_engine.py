@@ -113,6 +113,8 @@ def normalize(url: str) -> str:
                                 f"postgresql://USER@HOST/DB, or a path such as ./tuning.db")
         return sqlite_url(str(Path(url).expanduser().resolve()))  # %, ? and # quoted: SQLAlchemy reads back this path
     scheme, rest = url.split("://", 1)
+    if scheme == "sqlite" and rest.startswith("/~"):  # sqlite:///~/x.db: the home folder, as the runtime reads it
+        return sqlite_url(os.path.expanduser(sqlite_path(url))) + (f"?{rest.split('?', 1)[1]}" if "?" in rest else "")
     if scheme in ("postgres", "postgresql"):
         return f"postgresql+psycopg://{rest}"
     if not (scheme.startswith("sqlite") or scheme.startswith("postgresql")):

@@ -30,7 +30,9 @@ def _sign(path: str) -> int:
     import tempfile
 
     with open(path, "rb") as f:
-        data = json.loads(f.read())
+        data = _table.parse_json(f.read(), _table.short(path, 200).strip("'"))  # changed since the check: still one line
+    if not isinstance(data, dict):
+        raise OpsAdvError(f"{_table.short(path, 200)} changed while it was being signed; sign it again")
     data["signature"] = _table.signature(data, key)
     tmp = None
     try:  # a temporary file of its own beside the table (never another signer's or exporter's), then one rename
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"ops_adv: error: {' '.join(redact(str(e)).split())[:500]}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"ops_adv: interrupted{'; the table is unchanged' if args.cmd == 'sign' else ''}", file=sys.stderr)
+        return 130
     if args.any_device:
         load_table("")  # checked, not for use here
     for dc, ops in sorted(tuned.items()):

@@ -170,7 +170,8 @@ def sqlite_url(path: str) -> str:
 
 def sqlite_path(url: str) -> str:
     """The file a sqlite:/// URL names, read as SQLAlchemy reads it (the path ends at ?, then is percent-decoded)."""
-    return unquote(url.split(":///", 1)[1].split("?", 1)[0])
+    path = unquote(url.split(":///", 1)[1].split("?", 1)[0])
+    return os.path.expanduser(path) if path.startswith("~") else path  # as the tuner reads it
 
 
 def signature(data: dict, key: str) -> str:
@@ -268,6 +269,9 @@ def read_database(url: str) -> list[Table]:
                                  f"name the database file in it (such as {os.path.join(short(path, 120).strip(chr(39)), 'tuning.db')})")
             if not os.path.isfile(path):
                 raise TableError(f"tuning database {redact(url)[:200]} does not exist; run opsadv-tune first or fix the URL")
+            if not os.access(path, os.R_OK):
+                raise TableError(f"tuning database {redact(url)[:200]} is not readable by this user (permission denied); "
+                                 f"fix its permissions or export a table (opsadv-export) and point OPS_ADV_TABLE at it")
             from urllib.parse import quote
 
             con = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True)  # quoted: # ? % are the path's

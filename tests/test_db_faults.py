@@ -306,6 +306,22 @@ def test_tilde_is_expanded_in_the_runtimes_table_and_database_paths(tmp_path, tu
         assert ops_adv.load_table()["cpu"]["gemm"], (var, value)
 
 
+def test_tilde_in_an_sqlite_url_is_the_home_folder_for_the_tuner_and_the_runtime(tmp_path, monkeypatch, restore_table):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    p = run_cli("-c", "import sys; from tuner.cli import db_main as m; sys.exit(m(sys.argv[1:]))", "upgrade",
+                "sqlite:///~/u.db", env={"HOME": str(home)}, cwd=str(work))
+    assert p.returncode == 0, p.stderr
+    assert (home / "u.db").is_file() and list(work.iterdir()) == []  # no folder named ~ where it ran
+    _fill(f"sqlite:///{home / 'u.db'}")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("OPS_ADV_TABLE", raising=False)
+    monkeypatch.delenv("OPS_ADV_TABLE_KEY", raising=False)
+    monkeypatch.setenv("OPS_ADV_DB", "sqlite:///~/u.db")
+    assert ops_adv.load_table()["cpu"]["gemm"]
+
+
 def test_a_folder_as_the_database_is_called_a_folder(tmp_path, monkeypatch, restore_table):
     monkeypatch.delenv("OPS_ADV_TABLE", raising=False)
     for value in (str(tmp_path), f"sqlite:///{tmp_path}"):
