@@ -108,7 +108,9 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         node = self.generic_visit(node)
-        if _name(node.func) == "apply_rotary_pos_emb":
+        if _name(node.func) == "apply_rotary_pos_emb" and len(node.args) == 4 \
+                and not any(isinstance(a, ast.Starred) for a in node.args) \
+                and all(k.arg == "unsqueeze_dim" for k in node.keywords):  # (q, k, cos, sin[, unsqueeze_dim=])
             self.done.append("apply_rotary_pos_emb -> rope")
             node.func = ast.Name("__ops_adv_apply_rotary_pos_emb", ast.Load())
         return node
@@ -118,6 +120,12 @@ def _rope_matches(fn: Any) -> bool:
     """Whether `fn` is transformers' rotate-half apply_rotary_pos_emb (checked on a probe)."""
     from ..ops.rope import apply_rotary_pos_emb as ours
 
+    try:  # (q, k, cos, sin, unsqueeze_dim=1): another parameter (position_ids) would be taken for unsqueeze_dim
+        extra = list(inspect.signature(fn).parameters)[4:]
+    except (TypeError, ValueError):
+        return False
+    if extra not in ([], ["unsqueeze_dim"]):
+        return False
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 3, 8, generator=g, device="cpu"), torch.randn(1, 1, 3, 8, generator=g, device="cpu")
     ang = torch.randn(1, 3, 4, generator=g, device="cpu")

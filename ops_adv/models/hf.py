@@ -145,6 +145,13 @@ def attention_rows(model: nn.Module) -> list[dict[str, str]]:
     return [head] + rows
 
 
+class _Routes(dict):
+    """Route -> calls of one module in this process: copies and pickles start empty (they have run nothing)."""
+
+    def __reduce__(self):
+        return (_Routes, ())
+
+
 _KW_CACHE: dict[type, dict | None] = {}
 # Keywords of an attention call that are the call's tensors and flags, or decided per call.
 _NAMED = frozenset({"attention_mask", "query", "key", "value", "dropout", "scaling", "is_causal", "sliding_window"})
@@ -332,7 +339,7 @@ def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if not torch.compiler.is_compiling():  # what explain_model reports: the routes calls took
             seen = module.__dict__.get("_ops_adv_routes")
             if seen is None:
-                seen = module.__dict__["_ops_adv_routes"] = {}
+                seen = module.__dict__["_ops_adv_routes"] = _Routes()
             seen[route] = seen.get(route, 0) + 1
 
     if module.__dict__.get("_ops_adv_attn_refused") or kwargs and not _understood(kwargs, Skv):
