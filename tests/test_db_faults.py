@@ -102,12 +102,13 @@ def test_export_into_a_read_only_folder_or_onto_an_immutable_table_is_one_line(t
 _FULL_DISK = """
 import os, resource, signal, sys
 import tuner.export as export
-_publish = export.publish
-def publish(path, text, mode):  # from here on no file may grow past 100 bytes, as on a full disk
+_rows = export._rows
+def rows(*a):  # once the winners are read, no file may grow past 100 bytes, as on a full disk
+    out = _rows(*a)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
     resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    _publish(path, text, mode)
-export.publish = publish
+    return out
+export._rows = rows
 from tuner.cli import export_main
 sys.exit(export_main(sys.argv[1:]))
 """
@@ -126,13 +127,11 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path
 
 _INTERRUPT_WRITING = """
 import os, signal, sys
-import tuner.export as export
-_fdopen = os.fdopen
-def fdopen(fd, *a, **k):  # Ctrl-C while the table is being written
-    f = _fdopen(fd, *a, **k)
+_chmod = os.chmod
+def chmod(*a, **k):  # Ctrl-C once the table's temporary file is written
+    _chmod(*a, **k)
     os.kill(os.getpid(), signal.SIGINT)
-    return f
-export.os.fdopen = fdopen
+os.chmod = chmod
 from tuner.cli import export_main
 sys.exit(export_main(sys.argv[1:]))
 """
@@ -396,6 +395,8 @@ def test_a_database_file_deleted_mid_tune_fails_and_saves_what_it_wrote(tmp_path
     if how == "replaced":
         with contextlib.closing(sqlite3.connect(path)) as con:  # the file put in its place is left alone
             assert [r[0] for r in con.execute("select name from sqlite_master")] == ["other"]
+    else:
+        assert not path.exists()  # no empty database made in its place
 
 
 # ------------------------------------------------------------------------------------------ --timeout
