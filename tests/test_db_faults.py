@@ -128,9 +128,9 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path
 _INTERRUPT_WRITING = """
 import os, signal, sys
 _chmod = os.chmod
-def chmod(*a, **k):  # Ctrl-C once the table's temporary file is written
+def chmod(*a, **k):  # Ctrl-C (or SIGTERM) once the table's temporary file is written
     _chmod(*a, **k)
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
 os.chmod = chmod
 from tuner.cli import export_main
 sys.exit(export_main(sys.argv[1:]))
@@ -150,14 +150,28 @@ sys.exit(export_main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("when", ["writing", "importing"])
+@pytest.mark.parametrize("when", ["writing", "importing", "terminated while writing"])
 def test_ctrl_c_during_export_is_one_line_without_the_tuners_resume_message(tmp_path, tuned_db, when):
     out = tmp_path / "dist"
-    p = run_cli("-c", _INTERRUPT_WRITING if when == "writing" else _INTERRUPT_IMPORTING,
-                "--device", "cpu", "--out", str(out), "--db", tuned_db)
+    p = run_cli("-c", _INTERRUPT_IMPORTING if when == "importing" else _INTERRUPT_WRITING,
+                "--device", "cpu", "--out", str(out), "--db", tuned_db,
+                env={"SIGNAL": "SIGTERM" if when.startswith("terminated") else "SIGINT"})
     err = _one_error_line(p, 130)
     assert err.startswith("opsadv-export: interrupted") and "resume" not in err and "trials" not in err, err
     assert not out.exists() or _leftovers(out) == []
+
+
+def test_an_export_with_its_wheel_publishes_the_wheel_whole(tmp_path, tuned_db):
+    out = tmp_path / "dist"
+    out.mkdir()
+    (out / "ops_adv-0.0.1-py3-none-any.whl").write_text("an old wheel")
+    p = cli("opsadv-export", "--device", "cpu", "--out", str(out), "--db", tuned_db, "--wheel")
+    assert p.returncode == 0, p.stderr
+    wheels = sorted(out.glob("*.whl"))
+    assert len(wheels) == 1 and wheels[0].name in (out / "Dockerfile.opsadv").read_text() and _leftovers(out) == []
+    import zipfile
+
+    assert zipfile.ZipFile(wheels[0]).testzip() is None
 
 
 # ------------------------------------------------------------------------------------------ two exports, one folder
@@ -571,3 +585,63 @@ def test_a_postgres_outage_past_the_retry_window_is_one_line_and_the_run_marked_
         "the server went away" in errors[0] and errors[0].endswith("is marked failed"), errors[0]
     assert _pg_count(url, "select count(*) from opsadv_leases") == 0
     assert _pg_count(url, "select string_agg(status, ',' order by id) from opsadv_runs").endswith("failed")
+
+
+# ------------------------------------------------------------------------------------------ which errors are waited out
+
+def test_transient_database_errors_are_those_waiting_can_cure(tmp_path):
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
+
+    from db._engine import transient
+
+    path = tmp_path / "t.db"
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as holder:
+        holder.execute("create table t (x)")
+        holder.execute("begin exclusive")  # another process holds the write lock: busy, not broken
+        with pytest.raises(OperationalError) as locked:
+            with create_engine(f"sqlite:///{path}", connect_args={"timeout": 0}).begin() as c:
+                c.execute(text("insert into t values (1)"))
+        holder.execute("rollback")
+    assert "locked" in str(locked.value) and transient(locked.value)
+    with pytest.raises(OperationalError) as readonly:
+        with create_engine(f"sqlite:///file:{path}?mode=ro&uri=true").begin() as c:
+            c.execute(text("insert into t values (1)"))
+    assert "readonly" in str(readonly.value) and not transient(readonly.value)  # waiting cannot make it writable
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: a server restarting looks like this
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(OperationalError) as refused:
+        create_engine(f"postgresql+psycopg://u@127.0.0.1:{port}/d").connect()
+    assert transient(refused.value)
+    assert not transient(ValueError("connection refused"))  # not a database error
+
+
+@pytest.mark.skipif(not os.environ.get("OPS_ADV_TEST_PG_URL"), reason="no PostgreSQL (OPS_ADV_TEST_PG_URL)")
+@pytest.mark.postgres
+def test_a_refused_login_is_not_waited_out():
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    from db._engine import transient
+
+    url = make_url(db.normalize(os.environ["OPS_ADV_TEST_PG_URL"])).set(password="not-the-password")
+    with pytest.raises(OperationalError) as e:
+        create_engine(url).connect()
+    assert not transient(e.value)
+
+
+def test_the_retry_window_setting(monkeypatch):
+    from ops_adv import _settings
+
+    monkeypatch.delenv("OPS_ADV_DB_RETRY_S", raising=False)
+    assert _settings.db_retry_s() == 60.0
+    monkeypatch.setenv("OPS_ADV_DB_RETRY_S", "0")
+    assert _settings.db_retry_s() == 0.0
+    for bad in ("x", "-1", "inf", "nan"):
+        monkeypatch.setenv("OPS_ADV_DB_RETRY_S", bad)
+        with pytest.warns(RuntimeWarning, match="OPS_ADV_DB_RETRY_S"):
+            assert _settings.db_retry_s() == 60.0

@@ -216,9 +216,21 @@ def export_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def body() -> int:
+        import signal
+        import threading
+
         from .export import export
 
-        table, docker, n = export(args.device, args.out, args.db or _db_default(), with_wheel=args.wheel)
+        def stop(signum, frame):  # SIGTERM as Ctrl-C: the temporary file is removed, the old table stays
+            raise KeyboardInterrupt
+
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, stop) if main else None
+        try:
+            table, docker, n = export(args.device, args.out, args.db or _db_default(), with_wheel=args.wheel)
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
         print(f"wrote {n} winner(s) to {table} and {docker}; build: docker build -f {docker} {docker.parent}")
         return 0
 

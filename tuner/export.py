@@ -100,7 +100,7 @@ def export(device: str, out_dir: str, db_url: str, with_wheel: bool = False) -> 
     return table, docker, len(winners)
 
 
-def publish(path: Path, text: str, mode: int) -> None:
+def publish(path: Path, text: str | bytes, mode: int) -> None:
     """Write `text` to `path` whole or not at all: a temporary file of its own in the same folder (two exports into
     one folder never share one), flushed to disk, then renamed over `path` (a reader sees the old file or the new
     one). Any error, Ctrl-C included, removes the temporary file and leaves `path` as it was; an OSError becomes
@@ -110,7 +110,7 @@ def publish(path: Path, text: str, mode: int) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -166,21 +166,25 @@ def _build_wheel(out: Path) -> str:
     if not (src / "pyproject.toml").is_file():
         raise OpsAdvError(f"--wheel builds ops-adv from its source, and this ops-adv ({src}) has none; "
                           f"leave --wheel out and set --build-arg OPS_ADV=... to a pip requirement instead")
-    for old in out.glob("ops_adv-*.whl"):
-        old.unlink()
     import shutil
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # a copy: the build leaves no build/ or egg-info in the source
         for name in ("pyproject.toml", "README.md", "ops_adv", "kernel_space", "tuner", "workers", "db"):
             if (src / name).is_dir():
-                shutil.copytree(src / name, Path(tmp) / name, ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(src / name, Path(tmp) / "src" / name, ignore=shutil.ignore_patterns("__pycache__"))
             elif (src / name).exists():
-                shutil.copy2(src / name, Path(tmp) / name)
+                (Path(tmp) / "src").mkdir(exist_ok=True)
+                shutil.copy2(src / name, Path(tmp) / "src" / name)
+        # built beside the copy, then published like the table: an export running beside this one never sees half a wheel
         r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "--wheel-dir",
-                            str(out.resolve()), tmp], capture_output=True, text=True)
-    wheels = sorted(out.glob("ops_adv-*.whl"))
-    if r.returncode or len(wheels) != 1:
-        last = (r.stderr.strip().splitlines() or ["no wheel written"])[-1]
-        raise OpsAdvError(f"pip wheel of {src} failed: {last[:300]}")
+                            str(Path(tmp) / "wheels"), str(Path(tmp) / "src")], capture_output=True, text=True)
+        wheels = sorted((Path(tmp) / "wheels").glob("ops_adv-*.whl"))
+        if r.returncode or len(wheels) != 1:
+            last = (r.stderr.strip().splitlines() or ["no wheel written"])[-1]
+            raise OpsAdvError(f"pip wheel of {src} failed: {last[:300]}")
+        publish(out / wheels[0].name, wheels[0].read_bytes(), 0o644)
+    for old in out.glob("ops_adv-*.whl"):
+        if old.name != wheels[0].name:
+            old.unlink(missing_ok=True)
     return wheels[0].name
