@@ -26,8 +26,6 @@ import plugins.contended as plugin
 from tuner import TuneOptions, Tuner
 from tuner import winners
 
-pytestmark = pytest.mark.ray
-
 VENDOR = "pinned_matmul"
 TRIALS = 6  # the tuned space: products 3..8
 BUSY = 12  # busy processes on the vendor's CPU: the vendor's 2.3 ms product measured 50 ms beside 12 at its niceness
@@ -53,6 +51,7 @@ def _count(engine, **where) -> int:
         return 0
 
 
+@pytest.mark.ray
 @pytest.mark.skipif(len(plugin.CPUS) < 2, reason="needs two CPUs: one to contend, one for the tuned kernel")
 def test_a_vendor_contended_in_the_final_re_measurement_is_kept_not_beaten(ray_session, sqlite_url):
     problem = plugin.ContendedProblem(512)
@@ -113,3 +112,13 @@ def test_a_vendor_contended_in_the_final_re_measurement_is_kept_not_beaten(ray_s
     said = [line for line in logs if VENDOR in line and "earlier measurement" in line and "history" in line]
     assert said, logs
     assert out["rows"][0]["impl"] == VENDOR
+
+
+def test_a_vendor_time_disagrees_only_beyond_every_earlier_measurement_and_its_spread():
+    history = [(0.1345, 0.002), (0.15, 0.03)]
+    assert winners.disagrees(50.75, history) == pytest.approx(0.14225)  # the 231x: its history's median instead
+    assert winners.disagrees(0.17, history) is None  # within the slower measurement's spread
+    assert winners.disagrees(0.1, history) is None  # faster than before: never contention
+    assert winners.disagrees(0.2, [(0.1345, 0.0)]) == pytest.approx(0.1345)  # past the 10% floor of a spread-free one
+    assert winners.disagrees(0.14, [(0.1345, 0.0)]) is None
+    assert winners.disagrees(0.2, []) is None and winners.disagrees(0.2, [(None, None)]) is None  # nothing to compare

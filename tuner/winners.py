@@ -150,6 +150,10 @@ class Winners:
         picked = choose(rows)
         if picked is None or not picked[1]["vendor"]:
             return rows, None
+        if task.stored and not task.stored["same_stack"]:
+            # revalidating under another stack (threads, say, which the device's fingerprint lacks): the vendor's
+            # history was measured under the old one, and this run measures it in the confirmation alone
+            return rows, None
         vendor = picked[1]
         hist = self._vendor_history(task, vendor["impl"])
         ref = disagrees(vendor["median_ms"], hist)
