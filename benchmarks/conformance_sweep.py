@@ -28,6 +28,7 @@ import copy
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -541,10 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     ops_adv.load_table("")
     t0 = time.monotonic()
-    rows = _run([(f, t) for f in families for t in tables], jobs=a.jobs, timeout=a.timeout, backend=a.compile_backend,
-                workdir=a.out, log=lambda s: print(s, flush=True))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(_here)).stdout.strip()
+    with tempfile.TemporaryDirectory() as work:  # the forced tables
+        rows = _run([(f, t) for f in families for t in tables], jobs=a.jobs, timeout=a.timeout, backend=a.compile_backend,
+                    workdir=work, log=lambda s: print(s, flush=True))
+    root = os.path.dirname(_here)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--", "ops_adv"], capture_output=True, text=True, cwd=root).stdout.strip():
+        commit += " (with uncommitted changes under ops_adv/)"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "transformers": transformers.__version__,
             "torch": torch.__version__, "commit": commit, "tables": tables, "compile_backend": a.compile_backend,
             "command": "python benchmarks/conformance_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -554,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "conformance.md"), "w") as f:
         f.write(markdown(rows, meta))
     fails = [r for r in rows if r["status"] == "fail"]
-    print(f"{len(rows)} families: {sum(r['status'] == 'ok' for r in rows)} ok, {len(fails)} failed, "
+    print(f"{len(families)} families x {len(tables)} table(s): {sum(r['status'] == 'ok' for r in rows)} ok, {len(fails)} failed, "
           f"{sum(r['status'] == 'skip' for r in rows)} skipped; {a.out}/conformance.md")
     return 1 if fails else 0
 
