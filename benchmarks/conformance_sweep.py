@@ -82,6 +82,11 @@ _FAMILY = {  # sizes the generic rules get wrong for a family: head counts that 
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8},
     "bamba": {"attn_layer_indices": [1]},
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "nemotron": {"num_key_value_heads": KV_HEADS},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "kimi_linear": {"num_experts_per_token": 2, "linear_head_dim": 16, "linear_num_heads": 4},
 }
 
 
