@@ -9,8 +9,9 @@ Per family, in its own subprocess with a time limit (a hang or a crash costs tha
   train     one train step's loss and every parameter's gradient: max relative error (||g' - g|| / ||g||, ||g||
             floored at 1e-3 of the largest gradient's norm)
   generate  greedy tokens (8 new) equal to the original's: default cache, static cache, left padding (2 rows)
-  compile   torch.compile (eval logits) against the eager original; the original is compiled too only when the
-            converted model's compile fails or differs, to tell our failure from the family's own
+  compile   torch.compile (eval logits) against the eager original, and its graph count; the original is compiled
+            too when the converted model's compile fails, differs or breaks into several graphs, to tell our failure
+            (or added graph breaks) from the family's own
 
 A check the original itself cannot run (a family without a static cache, say) is "n/a" with the original's error.
 Results: OUT/conformance.md (a table per --table, the failures listed with their error line) and OUT/conformance.json.
@@ -369,8 +370,14 @@ def check_family(model_type: str, table: str, backend: str, workdir: str) -> dic
     if got is not None:
         res["compile_max_diff"] = (got[0].float() - ref_logits.float()).abs().max().item()
         res["compile_graphs"] = got[1]
-    if not ok:
+    orig = oerr = None
+    if not ok or (got is not None and got[1] > 1):  # a failure, or graph breaks: does the original have them too?
         orig, oerr = _try(lambda: compiled(model))
+    if ok and orig is not None and got[1] > orig[1]:
+        fail("compile", f"{got[1]} graphs against the original's {orig[1]} (graph breaks the conversion added)")
+    if orig is not None:
+        res["compile_graphs_original"] = orig[1]
+    if not ok:
         if oerr is not None:
             res["compile"] = f"n/a (original: {oerr})"
         elif err is not None:
@@ -378,8 +385,6 @@ def check_family(model_type: str, table: str, backend: str, workdir: str) -> dic
         else:
             fail("compile", f"compiled logits max |diff| {res['compile_max_diff']:.3g} (the original compiled: "
                             f"{(orig[0].float() - ref_logits.float()).abs().max().item():.3g})")
-        if orig is not None:
-            res["compile_graphs_original"] = orig[1]
     if table == "forced":
         ops_adv.load_table("")
     return res
@@ -470,8 +475,8 @@ def _cell(r: dict, check: str) -> str:
             return "n/a"
         if bad:
             return "**fail**"
-        g = r.get("compile_graphs")
-        return f"ok ({g} graph{'s' if g != 1 else ''})" if g is not None else ""
+        g, o = r.get("compile_graphs"), r.get("compile_graphs_original")
+        return (f"ok ({g} graph{'s' if g != 1 else ''}" + (f", original {o}" if o is not None else "") + ")") if g is not None else ""
     return ""
 
 
@@ -496,7 +501,8 @@ def markdown(all_rows: list[dict], meta: dict) -> str:
            f"vocab {VOCAB}, dropout 0. eval: max |diff| of the logits (batch 2 x 9; fails above {EVAL_TOL:g} x "
            f"max(1, max |logit|)); train: max relative gradient error of one step (fails above {GRAD_TOL:g}); generate: "
            f"{NEW} greedy tokens equal to the original's (default cache, static cache, left padding over 2 rows); "
-           "compile: torch.compile of the converted model, eval logits against the original; n/a: the original "
+           "compile: torch.compile of the converted model, eval logits against the original, graphs Dynamo made (a "
+           "failure when more than the original's); n/a: the original "
            "itself cannot run that check. **Bold**: a failure."]
     for t in tables:
         rows = [r for r in all_rows if r["table"] == t and r["status"] != "skip"]
