@@ -86,6 +86,9 @@ _FAMILY = {  # sizes the generic rules get wrong for a family: head counts that 
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "nemotron": {"num_key_value_heads": KV_HEADS},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "kimi_linear": {"num_experts_per_token": 2, "linear_head_dim": 16, "linear_num_heads": 4},
 }
