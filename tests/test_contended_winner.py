@@ -100,11 +100,10 @@ def test_a_vendor_contended_in_the_final_re_measurement_is_kept_not_beaten(ray_s
         (w,) = s.scalars(select(db.Winner)).all()
         history = [(t.median_ms, t.spread_ms) for t in s.scalars(select(db.Trial).filter_by(impl=VENDOR, status="ok"))]
         s.expunge_all()
-    earlier = min(m for m, _ in history)
-    # the scenario happened: the vendor was measured far slower than its search time in every confirmation round
+    # the scenario happened: the vendor was measured again, slower than its search time in every confirmation round
     rounds = [h["rounds"] for h in w.history or [] if "rounds" in h]
-    assert rounds and len(rounds[-1][VENDOR]) == 3, (w.history, logs)
-    assert all(ms > winners.FAR * earlier for ms in rounds[-1][VENDOR]), (rounds, history)
+    assert rounds and len(rounds[-1][VENDOR]) >= 2, (w.history, logs)
+    assert all(winners.disagrees(ms, history) is not None for ms in rounds[-1][VENDOR]), (rounds, history)
     # ... and nothing was stored against those times: every tuned configuration does 3 or more of the vendor's products
     assert w.impl == VENDOR, (w.impl, w.params, w.median_ms, w.vendor_ms, w.speedup, logs)
     assert winners.disagrees(w.vendor_ms, history) is None, (w.vendor_ms, history)
