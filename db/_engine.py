@@ -462,8 +462,8 @@ class Outage:
             if self._since is None:
                 self._since = now
                 first = _reason(e)
-                self.log(f"lost the database {redact(self.url)} ({redact(first, self.url)[:160]}); retrying for up to "
-                         f"{self.window_s:g} s (OPS_ADV_DB_RETRY_S){self._what}")
+                self.log(f"the database {redact(self.url)} is unavailable ({redact(first, self.url)[:160]}); waiting up to "
+                         f"{self.window_s:g} s for it (OPS_ADV_DB_RETRY_S){self._what}")
             since = self._since
         if now - since >= self.window_s:
             raise e

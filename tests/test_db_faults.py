@@ -559,12 +559,40 @@ def test_a_postgres_restart_mid_tune_is_waited_out(tmp_path, pg_server):
         p.wait(300)
     text = err.text()
     assert p.returncode == 0 and "Traceback" not in text and "opsadv-tune: error" not in text, text[-3000:]
-    assert "retrying for up to 60 s (OPS_ADV_DB_RETRY_S)" in err.wait_for(f"lost the database {pg_server.url} (")
+    assert "waiting up to 60 s for it (OPS_ADV_DB_RETRY_S)" in err.wait_for(f"the database {pg_server.url} is unavailable (")
     err.wait_for("the database is back after ")
     assert out.count("torch_matmul") >= 2  # the results table
     assert _pg_count(pg_server.url, "select count(*) from opsadv_winners") == 2
     assert _pg_count(pg_server.url, "select count(*) from opsadv_leases") == 0
     assert _pg_count(pg_server.url, "select count(*) from opsadv_runs where status = 'finished'") == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.ray
+def test_connections_terminated_mid_tune_are_reopened(tmp_path, pg_server):
+    """pg_terminate_backend on every connection of the tune, again and again: each operation cut mid-way runs again."""
+    import time
+
+    import psycopg
+
+    with _reaped(_tune(tmp_path, pg_server.url, "--trials", "12", problems=2)) as p:
+        err = _Lines(p.stderr)
+        _wait_pg_trials(p, pg_server.url, 2)
+        killed = 0
+        with psycopg.connect(pg_server.url, autocommit=True) as con:
+            while p.poll() is None and _pg_count(pg_server.url, "select count(*) from opsadv_trials") < 12:
+                killed += con.execute("select count(*) from (select pg_terminate_backend(pid) from pg_stat_activity "
+                                      "where datname = 'postgres' and pid <> pg_backend_pid() "
+                                      "and backend_type = 'client backend') t").fetchone()[0]
+                time.sleep(0.3)
+        out = p.stdout.read()
+        p.wait(300)
+    text = err.text()
+    assert killed >= 3, killed
+    assert p.returncode == 0 and "Traceback" not in text and "opsadv-tune: error" not in text, text[-3000:]
+    assert _pg_count(pg_server.url, "select count(*) from opsadv_winners") == 2
+    assert _pg_count(pg_server.url, "select count(*) from opsadv_leases") == 0
+    assert out.count("torch_matmul") >= 2
 
 
 @pytest.mark.postgres
@@ -575,7 +603,7 @@ def test_a_postgres_outage_past_the_retry_window_is_one_line_and_the_run_marked_
         err = _Lines(p.stderr)
         _wait_pg_trials(p, url, 3)
         pg_server.stop()
-        err.wait_for("retrying for up to 10 s (OPS_ADV_DB_RETRY_S) to mark run")  # the first window is over
+        err.wait_for("waiting up to 10 s for it (OPS_ADV_DB_RETRY_S) to mark run")  # the first window is over
         pg_server.start()
         p.wait(300)
     text = err.text()
