@@ -133,6 +133,10 @@ def attention_rows(model: nn.Module) -> list[dict[str, str]]:
             rows.append({"module": name, "type": type(sub).__name__, "converted": "no",
                          "why": f"every call so far ({seen['original']}) passed keywords ops_adv does not compute: "
                                 f"its '{orig}' attention ran"})
+        elif seen and not set(seen) & {"ops_adv.attention", "decode_attention"}:
+            rows.append({"module": name, "type": type(sub).__name__, "converted": "no",
+                         "why": "every call so far ran transformers' SDPA or its own attention (masks, dropout, a "
+                                "custom scale): " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items()))})
         else:
             ours += 1
             if seen:
