@@ -90,6 +90,13 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
         from transformers import AttentionInterface  # noqa: F401 (transformers is importable)
     except ImportError:
         return [{"module": "", "type": "attention", "converted": "no", "why": "transformers is not importable"}]
+    why = _not_dispatched(model)
+    if why is None and not getattr(model, "_supports_sdpa", False):
+        # ops_adv computes SDPA's attention: a family that does not declare SDPA equal to its own (BigBirdPegasus,
+        # DeepSeek-V4, Gemma 2's softcap) keeps its implementation
+        why = f"{type(model).__name__} does not support SDPA, which is what ops_adv's attention computes: left as it is"
+    if why is not None:  # the masks transformers builds for "ops_adv" are SDPA's: its own attention would misread them
+        return [{"module": "", "type": "attention", "converted": "no", "why": why}]
     model.__dict__["_ops_adv_attention"] = _register()
     before = config._attn_implementation
     for sub in model.modules():  # the implementation each module had: calls ops_adv does not understand run it
@@ -113,6 +120,22 @@ def use_attention(model: nn.Module) -> list[dict[str, str]]:
             if why is not None:  # every call would run the original: it always does, and the report says so
                 sub.__dict__["_ops_adv_attn_refused"] = why
     return attention_rows(model)
+
+
+def _not_dispatched(model: nn.Module) -> str | None:
+    """Why the model's attention cannot become "ops_adv": an attention module (a class named *Attention) with no
+    module under it that calls transformers' attention interface computes attention itself (Bloom, XGLM, MPT,
+    GPT-Neo, ...), and would be handed masks made for another implementation. None when every one dispatches."""
+    calls: dict[int, bool] = {}
+    for m in reversed(list(model.modules())):  # children before parents
+        calls[id(m)] = _attention_keywords(type(m)) is not None or any(calls.get(id(c), False) for c in m.children())
+    if not any(calls.values()):
+        return "its attention does not dispatch through transformers' AttentionInterface: left as it is"
+    for name, m in model.named_modules():
+        if type(m).__name__.endswith("Attention") and not calls[id(m)] and any(p.dim() == 2 for p in m.parameters()):
+            return (f"{name} ({type(m).__name__}) computes its attention itself, not through transformers' "
+                    "AttentionInterface: the model's attention is left as it is")
+    return None
 
 
 def attention_rows(model: nn.Module) -> list[dict[str, str]]:
