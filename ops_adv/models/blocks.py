@@ -30,7 +30,7 @@ def _is_silu(m: Any) -> bool:
         return True
     if not isinstance(m, nn.Module) or list(m.parameters()) or list(m.children()):
         return False
-    x = torch.linspace(-6, 6, 97)
+    x = torch.linspace(-6, 6, 97, device="cpu")  # not the default device (a `with torch.device(...)` block)
     try:
         with torch.no_grad():
             return bool(torch.allclose(m.forward(x), F.silu(x), atol=1e-6))  # no hooks see the probe
@@ -57,6 +57,11 @@ class _Rewriter(ast.NodeTransformer):
         self.norm_ok, self.silu_ok = norm_ok, silu_ok
         self.done: list[str] = []
         self.names: set[str] = set()
+        self.checked = False  # a pattern matched in the source, and the instance's modules were checked
+
+    def _check(self, ok: Callable[[str], bool], name: str) -> bool:
+        self.checked = True
+        return ok(name)
 
     def _fuse_add_norm(self, body: list[ast.stmt]) -> list[ast.stmt]:
         out, i = [], 0
@@ -70,7 +75,7 @@ class _Rewriter(ast.NodeTransformer):
                 if (h and r and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add)
                         and {_name(add.left), _name(add.right)} == {h, r} and _name(b.value) == h
                         and _name(c.targets[0]) == h and norm and len(c.value.args) == 1 and not c.value.keywords
-                        and _name(c.value.args[0]) == h and self.norm_ok(norm)):
+                        and _name(c.value.args[0]) == h and self._check(self.norm_ok, norm)):
                     call = ast.Call(func=ast.Name("__ops_adv_add_rms_norm", ast.Load()),
                                     args=[ast.Name(h, ast.Load()), ast.Name(r, ast.Load()),
                                           ast.Attribute(ast.Name("self", ast.Load()), norm, ast.Load())], keywords=[])
@@ -98,7 +103,7 @@ class _Rewriter(ast.NodeTransformer):
         if isinstance(node.op, ast.Mult) and isinstance(node.left, ast.Call) and len(node.left.args) == 1 \
                 and not node.left.keywords:
             act = _self_attr(node.left.func)
-            if act and self.silu_ok(act):
+            if act and self._check(self.silu_ok, act):
                 self.done.append(f"{act}(gate) * up -> swiglu")
                 self.names.add(act)
                 return ast.copy_location(ast.Call(func=ast.Name("__ops_adv_swiglu", ast.Load()),
@@ -116,16 +121,17 @@ class _Rewriter(ast.NodeTransformer):
         return node
 
 
-def _rope_matches(fn: Any) -> bool:
-    """Whether `fn` is transformers' rotate-half apply_rotary_pos_emb (checked on a probe)."""
-    from ..ops.rope import apply_rotary_pos_emb as ours
+def _rope_matches(fn: Any) -> Any:
+    """ops-adv's drop-in for `fn` when it is transformers' rotate-half apply_rotary_pos_emb (checked on a probe):
+    the partial-rotary form where `fn` takes a narrower table, else the full one; None when it is neither."""
+    from ..ops.rope import apply_rotary_pos_emb as ours, apply_rotary_pos_emb_partial as partial
 
     try:  # (q, k, cos, sin, unsqueeze_dim=1): another parameter (position_ids) would be taken for unsqueeze_dim
         extra = list(inspect.signature(fn).parameters)[4:]
     except (TypeError, ValueError):
         return False
     if extra not in ([], ["unsqueeze_dim"]):
-        return False
+        return None
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 3, 8, generator=g, device="cpu"), torch.randn(1, 1, 3, 8, generator=g, device="cpu")
     ang = torch.randn(1, 3, 4, generator=g, device="cpu")
@@ -134,21 +140,21 @@ def _rope_matches(fn: Any) -> bool:
         with torch.no_grad():
             want, got = fn(q, k, cos, sin), ours(q, k, cos, sin)
         if not all(torch.allclose(w, o, atol=1e-5) for w, o in zip(want, got)):
-            return False
+            return None
     except Exception:
-        return False
+        return None
     cos, sin = torch.cat([ang[..., :2].cos()] * 2, -1), torch.cat([ang[..., :2].sin()] * 2, -1)
     try:  # a narrower table (partial rotary): where the model's formula takes one, ours must agree
         with torch.no_grad():
             want = fn(q, k, cos, sin)
     except Exception:
-        return True  # the model's formula has no partial form: its calls never pass one
+        return ours  # the model's formula has no partial form (it raises, as ours does)
     try:
         with torch.no_grad():
-            got = ours(q, k, cos, sin)
-        return all(torch.allclose(w, o, atol=1e-5) for w, o in zip(want, got))
+            got = partial(q, k, cos, sin)
+        return partial if all(torch.allclose(w, o, atol=1e-5) for w, o in zip(want, got)) else None
     except Exception:
-        return False
+        return None
 
 
 def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[Callable | None, list[str], str]:
@@ -205,9 +211,12 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
     rw = _Rewriter(norm_ok, silu_ok)
     rw.visit(fdef)
     done = rw.done
-    if any("rope" in d for d in done) and not _rope_matches(fn.__globals__.get("apply_rotary_pos_emb")):
+    rope_fn = _rope_matches(fn.__globals__.get("apply_rotary_pos_emb")) if any("rope" in d for d in done) else None
+    if any("rope" in d for d in done) and rope_fn is None:
         return None, [], "apply_rotary_pos_emb here is not transformers' rotate-half formula: left as is"
     if not done:
+        if rw.checked:  # the source has a pattern, this instance's modules did not pass: not the class's property
+            return None, [], "no residual-add + RMS norm or SiLU gate that passes its checks on this instance: left as is"
         return None, [], "no residual-add + RMS norm, SiLU gate or rotary embedding in forward"
     token = "f_" + json.dumps([cls.__module__, cls.__qualname__, sorted(rw.names)]).encode().hex()
     new = _BY_NAME.get(token)
@@ -238,10 +247,8 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
     glb = _globals_module(fn).__dict__
     glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated)
-    if any("rope" in d for d in done):
-        from ..ops.rope import apply_rotary_pos_emb
-
-        glb["__ops_adv_apply_rotary_pos_emb"] = apply_rotary_pos_emb
+    if rope_fn is not None:
+        glb["__ops_adv_apply_rotary_pos_emb"] = rope_fn
     code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")
     ns: dict[str, Any] = {}
     exec(code, glb, ns)

@@ -51,17 +51,22 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' `apply_rotary_pos_emb`: q, k (B, H, S, D) with unsqueeze_dim 1, (B, S, H, D) with 2."""
-    # A table narrower than the heads is partial rotary (GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor):
-    # the first cos.shape[-1] features rotate, the rest pass through, as transformers' formula does there.
-    rd, D = cos.shape[-1], q.shape[-1]
-    if rd < D and k.shape[-1] == D and rd and rd % 2 == 0:
-        qr, kr = apply_rotary_pos_emb(q[..., :rd], k[..., :rd], cos, sin, unsqueeze_dim)
-        return torch.cat([qr, q[..., rd:]], -1), torch.cat([kr, k[..., rd:]], -1)
     # full-width tables only: transformers' formula refuses a (B, S, D/2) table, which rope() would widen
-    if q.dim() == 4 and cos.dim() == 3 and rd == D and unsqueeze_dim in (1, 2, -2, -3):
+    if q.dim() == 4 and cos.dim() == 3 and cos.shape[-1] == q.shape[-1] and unsqueeze_dim in (1, 2, -2, -3):
         return rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim in (1, -3) else "bshd")
     c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return composite(q, c, s, False), composite(k, c, s, False)
+
+
+def apply_rotary_pos_emb_partial(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                 unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial-rotary form of transformers' formula (GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor):
+    the first cos.shape[-1] features of q and k rotate, the rest pass through."""
+    rd, D = cos.shape[-1], q.shape[-1]
+    if rd < D and k.shape[-1] == D and rd % 2 == 0:
+        qr, kr = apply_rotary_pos_emb(q[..., :rd], k[..., :rd], cos, sin, unsqueeze_dim)
+        return torch.cat([qr, q[..., rd:]], -1), torch.cat([kr, k[..., rd:]], -1)
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
 def _covered(q, k, cos, sin, positions, layout: str) -> bool:
