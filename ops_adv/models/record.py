@@ -176,8 +176,6 @@ def tune_for_hardware(model: Any, device: str = "cuda:0", batch_size: Any = 1, e
     from tuner.cli import _db_default  # the tuning stack, only now
     from tuner.driver import TuneOptions, Tuner
 
-    from ..tools.census import census
-
     def workload() -> None:
         if max_new_tokens is not None:
             if example_inputs is not None:
@@ -193,7 +191,7 @@ def tune_for_hardware(model: Any, device: str = "cuda:0", batch_size: Any = 1, e
                 with torch.no_grad():
                     model(*args, **kwargs)
 
-    with record(shapes_path) as rec, census() as before:
+    with record(shapes_path) as rec, _dispatch.Census() as before:
         workload()
     problems = rec.problems()
     url = db or _db_default()
@@ -205,7 +203,7 @@ def tune_for_hardware(model: Any, device: str = "cuda:0", batch_size: Any = 1, e
     out["winners"] = Tuner(opts).run()
     _dispatch.load_table(url)
     if verify:
-        with census() as after:
+        with _dispatch.Census() as after:
             workload()
         out["census_after"] = after.by_source()
         out["census"] = str(after)
