@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                 fn = step(torch.compile(m, backend="cudagraphs", dynamic=False))
             else:
                 fn = step(torch.compile(m, mode="reduce-overhead", dynamic=False))
-            pre = (lambda: (torch.compiler.cudagraph_mark_step_begin(), prep())) if ro else prep
+            pre = (lambda p=prep: (torch.compiler.cudagraph_mark_step_begin(), p())) if ro else prep
             for _ in range(5):
                 pre()
                 fn()

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     padding = [p.strip() for p in args.padding.split(",") if p.strip()]
     try:
         import torch
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401  (installed: one line if not)
     except ImportError as e:
         print(f"opsadv-record: error: {e.name} is not installed; pip install transformers", file=sys.stderr)
         return 2
