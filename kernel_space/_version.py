@@ -132,8 +132,8 @@ def _references(func: types.FunctionType, roots: set[str]) -> list[tuple[str, An
         if f is not None:
             if _is_ours(f, roots):
                 keep.append((n, value))
-        elif _is_plain(value) or _is_setting(value):
-            keep.append((n, value))
+        elif (_is_plain(value) and (n.isupper() or not isinstance(value, (dict, list, set)))) or _is_setting(value):
+            keep.append((n, value))  # a mutable container counts when named as a constant: a lower-case one is state
     return keep
 
 
@@ -141,7 +141,9 @@ def _is_plain(v: Any) -> bool:
     """Immutable-looking data: plain scalars, and non-empty containers of them.
 
     Empty containers are left out: a module-level cache starts empty, and filling it
-    must not change a version.
+    must not change a version. `_references` also leaves out a filled dict, list or set unless its
+    name is UPPER_CASE: a cache such as `_liger._missing`, filled by the checks a measuring process
+    ran, made that process's version differ from the exporter's (H200, 2026-12-05).
     """
     if isinstance(v, _PLAIN):
         return True

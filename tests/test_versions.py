@@ -164,6 +164,25 @@ def test_a_cache_filling_up_keeps_the_version(tmp_path):
         unregister_impl("softmax", "versioned")
 
 
+
+def test_a_cache_of_plain_values_filling_up_keeps_the_version():
+    """The Liger candidates' checks cache which Liger kernels import (`_liger._missing`: tuples to strings or
+    None, plain data). The measuring process had filled it, the exporter had not, and the export of an H200
+    tune refused every Liger winner as stale."""
+    from kernel_space import _liger
+
+    impl = get_impl("swiglu", "liger_swiglu")
+    before = impl_version(impl)
+    saved = dict(_liger._missing)
+    try:
+        _liger._missing[("ops.swiglu", "LigerSiLUMulFunction")] = None
+        _liger._missing[("ops.rms_norm", "LigerRMSNormFunction")] = "liger_kernel.ops.rms_norm fails to import (ImportError)"
+        assert impl_version(impl) == before
+    finally:
+        _liger._missing.clear()
+        _liger._missing.update(saved)
+
+
 _STABLE = """
 from kernel_space import impls, ops
 from kernel_space._version import impl_version
