@@ -52,8 +52,11 @@ def main(argv=None) -> int:
     cap = ctx + 128
     ns = argparse.Namespace(size="8b", layers=args.layers, dtype="bf16")
     results = {}
+    from torch._dynamo.utils import counters
+
     for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
         torch._dynamo.reset()
+        counters.clear()
         with torch.no_grad():
             m = ds.build(ns, args.layers, dev, cap + 64)
             step, prep = ds.decode_setup(m, B, ctx, cap, dev, dtype, seed=B * 131 + ctx)
@@ -89,10 +92,13 @@ def main(argv=None) -> int:
         rows = sorted(((k, len(x) / args.steps, sum(x) / args.steps, statistics.mean(x)) for k, x in kernels.items()),
                       key=lambda r: -r[2])
         step_us = statistics.median(times) * 1e3
+        # reduce-overhead that skipped its CUDA graphs runs Inductor's kernels one launch each (TORCH_LOGS=perf_hints says why)
+        skips = int(counters["inductor"].get("cudagraph_skips", 0))
         results[v] = {"step_us": step_us, "kernels_per_step": n, "kernel_us_per_step": total, "idle_us": step_us - total,
+                      "cudagraph_skips": skips,
                       "top": [{"kernel": k[:140], "per_step": c, "us_per_step": t, "us_each": e} for k, c, t, e in rows[:args.top]]}
-        print(f"\n== {v}: step {step_us:.1f} µs, {n:.0f} kernels a step, kernel time {total:.1f} µs, idle {step_us - total:.1f} µs",
-              flush=True)
+        print(f"\n== {v}: step {step_us:.1f} µs, {n:.0f} kernels a step, kernel time {total:.1f} µs, idle {step_us - total:.1f} µs"
+              f"{f', CUDA graphs skipped {skips}x' if skips else ''}", flush=True)
         for k, c, t, e in rows[:args.top]:
             print(f"  {t:8.1f} µs/step  {c:5.1f} x {e:7.2f} µs  {k[:110]}")
         del fn, m, step, prep, prof
