@@ -5,7 +5,8 @@ A Llama-3-8B-dims decoder (--layers, default 2) at B x context from a filled Sta
 decode_step.py's layer part builds it; each variant in this process, one after the other:
 compile-ro (the original under torch.compile reduce-overhead), eager+graph, converted+graph (our own CUDA
 graph of the converted model), compile-ro(converted), compile-cg(converted) (torch.compile's cudagraphs
-backend). For each: the step's time (CUDA events over graph replays, median), then torch.profiler over
+backend); a compiled variant named with "/noguards" (compile-ro(converted)/noguards) is timed with Dynamo's
+guard checks skipped after its warm-up, which sizes their host cost. For each: the step's time (CUDA events over graph replays, median), then torch.profiler over
 --steps steps: kernels a step, the sum of their times a step (what is left of the step is idle time
 between kernels), and the kernels by total time, grouped by name. Per layer = (step - head) / layers is
 not computed here: the kernels are listed whole.
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
         torch._dynamo.reset()
         counters.clear()
+        # "<compiled variant>/noguards": timed with Dynamo's guard checks skipped (warm-up ran them), to size their cost
+        v, noguards = (v[: -len("/noguards")], True) if v.endswith("/noguards") else (v, False)
         with torch.no_grad():
             m = ds.build(ns, args.layers, dev, cap + 64)
             step, prep = ds.decode_setup(m, B, ctx, cap, dev, dtype, seed=B * 131 + ctx)
@@ -74,6 +77,9 @@ def main(argv=None) -> int:
                 pre()
                 fn()
             torch.cuda.synchronize()
+            if noguards:
+                torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                v += "/noguards"
             times = [e2e.time_once(fn, pre, dev) for _ in range(30)]
             from torch.profiler import ProfilerActivity, profile
 
@@ -101,6 +107,8 @@ def main(argv=None) -> int:
               f"{f', CUDA graphs skipped {skips}x' if skips else ''}", flush=True)
         for k, c, t, e in rows[:args.top]:
             print(f"  {t:8.1f} µs/step  {c:5.1f} x {e:7.2f} µs  {k[:110]}")
+        if noguards:
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
         del fn, m, step, prep, prof
         torch.cuda.empty_cache()
     if args.out:
