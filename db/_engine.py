@@ -393,14 +393,23 @@ class DatabaseGone(DatabaseError):
 
 def transient(e: BaseException) -> bool:
     """Whether waiting may cure database error `e`: a connection cut or refused (a PostgreSQL restart, a network
-    blip) or SQLite busy. A login refused, a missing database, a full disk or a bad query are not."""
-    from sqlalchemy.exc import DBAPIError, DisconnectionError
+    blip) or SQLite busy. A login refused, a missing database, a full disk or a bad query are not.
+
+    A connection cut inside a transaction that is then used again raises SQLAlchemy's PendingRollbackError "Can't
+    reconnect until invalid transaction is rolled back" (code 8s2b, raised only for an invalidated connection), which
+    names no driver error: optuna's trial loading does this (it catches the cut's OperationalError, queries again on
+    the same session, then rolls the session back and raises StorageInternalError). The cut is usually still in its
+    chain (__context__), but it counts on its own: a retry runs on a fresh session (optuna's, like ours, is rolled back
+    and closed when an operation fails, and the next one checks out a new connection)."""
+    from sqlalchemy.exc import DBAPIError, DisconnectionError, PendingRollbackError
 
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         if isinstance(cur, DisconnectionError) or (isinstance(cur, DBAPIError) and cur.connection_invalidated):
+            return True
+        if isinstance(cur, PendingRollbackError) and getattr(cur, "code", None) == "8s2b":
             return True
         orig = getattr(cur, "orig", None)
         if isinstance(orig, BaseException) and id(orig) not in seen:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import socket
@@ -74,6 +75,15 @@ class TuneOptions:
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
 
 
+def _no_fallback_warning(record: logging.LogRecord) -> bool:
+    """A filter for optuna's RDBStorage logger. When a trial-loading query fails, optuna warns with the error, its
+    whole SQL statement and "Falling back to a slower alternative", then queries again. A cut connection (a database
+    outage) fails that query too, and the Outage says what happened in its own line; otherwise the fallback worked
+    and there is nothing to do. The warning is left out either way."""
+    msg = record.msg if isinstance(record.msg, str) else ""
+    return not (msg.startswith("Caught an error from sqlalchemy") and "Falling back to a slower alternative" in msg)
+
+
 def _sigterm_as_interrupt() -> Callable[[], None]:
     """SIGTERM (kill, a scheduler's stop) ends the run as Ctrl-C does: finished trials kept, the run marked
     interrupted. Returns what restores the previous handler."""
@@ -114,6 +124,9 @@ class Tuner(StudySetup, Winners):
         self.stats: dict = {}  # after run(): wall_s and per worker slot busy_s, jobs, restarts (see Pool.stats)
         self.timed_out: tuple[int, int] | None = None  # after run(): problems --timeout left unstarted, and cut short
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        rdb_log = logging.getLogger("optuna.storages._rdb.storage")
+        if _no_fallback_warning not in rdb_log.filters:
+            rdb_log.addFilter(_no_fallback_warning)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -147,6 +160,22 @@ class Tuner(StudySetup, Winners):
             self._tell(task, trial, status, value, again=tries > 1)
 
         self._db(once)
+
+    def _suggested(self, task: Task, trial) -> tuple[str, dict]:
+        """_suggest(trial, task.tunables), riding out a database outage: suggesting reads the study's trials (the
+        sampler) and writes each parameter. A retry first reloads the trial: a parameter whose write went through
+        before its answer was lost is then taken as stored, not sampled again (optuna ignores a second write of a
+        trial's parameter, so a value sampled again would be measured while the first one stays stored)."""
+        tries = 0
+
+        def once():
+            nonlocal tries
+            tries += 1
+            if tries > 1 and hasattr(trial, "_cached_frozen_trial"):
+                trial._cached_frozen_trial = trial.storage.get_trial(trial._trial_id)
+            return _suggest(trial, task.tunables)
+
+        return self._db(once)
 
     def _setter(self, trial):
         """trial.set_user_attr, each call riding out a database outage."""
@@ -511,7 +540,7 @@ class Tuner(StudySetup, Winners):
                 self._db(task.study.enqueue_trial, fixed, skip_if_exists=False)
             trial = self._db(task.study.ask)
             self._db(trial.set_user_attr, RUN_ATTR, self.run_id)
-            name, params = _suggest(trial, task.tunables)
+            name, params = self._suggested(task, trial)
             impl = kernel_space.get_impl(task.op, name)
             key = _params_key(name, params)
             if key in task.seen:
@@ -520,7 +549,7 @@ class Tuner(StudySetup, Winners):
                     task.pruned += 1
                 else:
                     task.repeats += 1
-                    trial.set_user_attr(REPEAT, True)
+                    self._db(trial.set_user_attr, REPEAT, True)
                     tun = next(t for t in task.tunables if t.name == name)
                     nb = unseen_neighbour(tun, params, task.problem, self.backend, task.seen, self._rng)
                     if nb is not None and not task.seeds and task.asked < task.budget:
