@@ -313,3 +313,25 @@ def test_rope_compiled_backward_matches_composite():
         grads.append((qq.grad, kk.grad))
     for a, b in zip(*grads):
         assert relative_error(b, a) < 1e-6
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_with_no_winner_rope_runs_transformers_formula_in_the_callers_layout_and_counts_the_miss(inplace):
+    """No table: the vendor's math on the caller's (B, H, S, D) tensors (no repacking, issue 30), bit for bit
+    transformers', and the call still counts as a miss."""
+    import ops_adv
+    from ops_adv import _dispatch
+
+    ops_adv.load_table("")
+    q, k, cos, sin, _ = _hf_inputs(2, 5, 4, 2, 32, torch.float32)
+    want = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    key = ("rope", get_op("rope").bucket((2 * 5, 4, 2, 32, False, False, "fp32")))
+    before = ops_adv.misses().get(key, 0)
+    with torch.no_grad():
+        fn = _dispatch.lookup("rope", (2 * 5, 4, 2, 32, False, False, "fp32"), q.device)
+        assert isinstance(fn, _dispatch.Default)
+        got = rope(q, k, cos, sin, layout="bhsd", inplace=inplace)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    if inplace:
+        assert got[0] is q and got[1] is k
+    assert ops_adv.misses()[key] == before + 1

@@ -21,7 +21,7 @@ import torch
 from kernel_space._common import DTYPE_CODE
 from kernel_space.rope.vendor import composite, full_tables
 
-from .._dispatch import cache_for, lookup, register_function
+from .._dispatch import Default as _Default, cache_for, lookup, register_function
 from .._op import _compiled_vendor, _functorch, _grad_enabled, _is_compiling, _tracing_state, define
 
 _rope_cache = cache_for("rope")
@@ -122,10 +122,9 @@ def _bshd(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 def _rope(q, k, cos, sin, positions, interleaved: bool, layout: str, inplace: bool):
     """The eager path for a covered call: the tuned implementation, writing into fresh outputs or q and k."""
-    qo, ko = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-    q4, k4 = _bshd(q, layout), _bshd(k, layout)
-    D, Hq, Hkv = q4.shape[-1], q4.shape[-2], k4.shape[-2]
-    T = q4.numel() // (Hq * D) if Hq else 0
+    qs, ks = q.shape, k.shape
+    D, (Hq, Hkv) = qs[-1], ((qs[1], ks[1]) if layout == "bhsd" else (qs[-2], ks[-2]))
+    T = q.numel() // (Hq * D) if Hq else 0
     if not (T and Hkv) or q.dtype not in DTYPE_CODE:
         # no tokens, no heads on one side (the other is still rotated), or float64 (the operator called
         # directly, as gradcheck does): the composite
@@ -134,6 +133,11 @@ def _rope(q, k, cos, sin, positions, interleaved: bool, layout: str, inplace: bo
     fn = _rope_cache.get(key)
     if fn is None:
         fn = lookup("rope", *key)
+    if fn.__class__ is _Default:  # no winner: the vendor's formula in the caller's layout, no repacking (~2x on the CPU)
+        fn.miss()
+        return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
+    qo, ko = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+    q4, k4 = _bshd(q, layout), _bshd(k, layout)
     fn(q4, k4, cos, sin, positions, interleaved=interleaved, out=(_bshd(qo, layout), _bshd(ko, layout)))
     if inplace:  # a kernel's raw writes: tell autograd q and k changed, as torch's in-place ops do
         _increment_version((q, k))
@@ -142,17 +146,17 @@ def _rope(q, k, cos, sin, positions, interleaved: bool, layout: str, inplace: bo
 
 def _composite(q, k, cos, sin, positions, interleaved: bool, inplace: bool, layout: str):
     """transformers' formula in torch ops (its exact results); in place, written into q and k."""
-    q0, k0 = q, k
-    if layout == "bhsd":
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-    c, s = full_tables(q, cos, sin, positions, interleaved)
-    qo = composite(q, c, s, interleaved, q if inplace else None)
-    ko = composite(k, c, s, interleaved, k if inplace else None)
-    if inplace:
-        return q0, k0  # the caller's tensors themselves, as the kernel path returns them
-    if layout == "bhsd":
-        qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
-    return qo, ko
+    c, s = full_tables(q, cos, sin, positions, interleaved)  # (..., S, 1, D)
+    if layout == "bhsd":  # computed in the caller's layout, as transformers does: on a transposed view it took 2x
+        c, s = c.transpose(-3, -2), s.transpose(-3, -2)  # (..., 1, S, D)
+    if not inplace:
+        return composite(q, c, s, interleaved), composite(k, c, s, interleaved)
+    return _into(q, c, s, interleaved), _into(k, c, s, interleaved)  # the caller's tensors, as the kernel path returns
+
+
+def _into(x, c, s, interleaved: bool) -> torch.Tensor:
+    # Dynamo refuses a non-contiguous out= (a transposed view of transformers' q): computed, then copied in
+    return composite(x, c, s, interleaved, x) if x.is_contiguous() else x.copy_(composite(x, c, s, interleaved))
 
 
 # --------------------------------------------------------------------------- custom operator
