@@ -94,11 +94,16 @@ def programs(p: DecodeAttentionProblem, c: Mapping[str, Any]) -> int:
 def adapt(tuned: DecodeAttentionProblem, p: DecodeAttentionProblem, c: Mapping[str, Any]) -> dict[str, Any]:
     """A winner tuned for `tuned` fitted to `p`: the split count that gives `p` the tuned launch's number of
     programs (the split-KV trade of filling the GPU against combining partial results, as the tuner found
-    it), within the key blocks `p` has; the other parameters as tuned."""
+    it) times sqrt(p's keys / the tuned keys), within the key blocks `p` has; the other parameters as tuned.
+
+    The square root: a longer cache wants more splits at the same width. Replayed on an H100 sweep of four
+    problems (B 1/8 x 639/4223 keys, `benchmarks/results/2026-12-05-h100-borrowed-decode.json`), matching
+    programs alone put the 12 borrowed winners at 1.17x the best (geometric mean, worst 1.78x, one at 0.86x
+    the vendor); with the root at 1.09x (worst 1.37x, none below 1.30x the vendor)."""
     c = dict(c)
     if p.Hkv <= 0 or tuned.Hkv <= 0 or (p.Hq // p.Hkv) % heads_per_program(p, c):
         return c
-    want = programs(tuned, c) / max(1, p.B * p.Hq // heads_per_program(p, c))
+    want = programs(tuned, c) / max(1, p.B * p.Hq // heads_per_program(p, c)) * math.sqrt(max(1, p.Skv) / max(1, tuned.Skv))
     blocks = -(-p.Skv // c["BLOCK_N"])
     fits = [s for s in SPACE["num_splits"] if s <= blocks] or [1]
     c["num_splits"] = min(fits, key=lambda s: (abs(math.log2(s / max(want, 1e-9))), s))
