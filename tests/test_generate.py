@@ -132,3 +132,50 @@ def test_marked_mask_survives_contiguous_and_copies_lose_it(no_table):
                                       allow_is_causal_skip=False)
     assert windowed.stride(1) not in (_convert._PREFIX_STRIDE, _convert._PADDED_STRIDE)
     assert _convert._decode_seq_lens(q, k, windowed)[0] is False
+
+
+def test_converted_generate_compiles_without_the_guards_conversion_adds(no_table, monkeypatch):
+    """convert_model gives generate() transformers' default compile with `conversion_guard_filter`: Dynamo then
+    checks none of the hook dicts and forward partials conversion adds (they made a compiled call's guard checks
+    cost more than the original's whole set), every other guard stays, and the tokens are the original's."""
+    from transformers import CompileConfig
+
+    ref = _model("llama")
+    model = ops_adv.convert_model(copy.deepcopy(ref))
+    cc = model.generation_config.compile_config
+    assert cc.mode is None and cc.options["triton.cudagraphs"] is True and cc.options["guard_filter_fn"] is _convert.conversion_guard_filter
+    assert any(r["type"] == "generate() compile" and r["converted"] == "yes" for r in ops_adv.explain_model(model))
+    assert "conversion_guard_filter" in str(model.generation_config)  # still prints as JSON
+    seen: list[tuple[str, str, bool]] = []
+    real = _convert._GuardFilter.__call__
+
+    def spy(self, entries):
+        keep = real(self, entries)
+        seen.extend((e.name, e.guard_type, k) for e, k in zip(entries, keep))
+        return keep
+
+    monkeypatch.setattr(_convert._GuardFilter, "__call__", spy)
+    cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only unless told
+    ids, mask = _batch(False)
+    want = _generate(ref, ids, mask)
+    torch._dynamo.reset()
+    try:
+        got = _generate(model, ids, mask)
+        assert hasattr(model, "_compiled_call")  # generate compiled its decode step
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+    dropped = [(n, g) for n, g, k in seen if not k]
+    assert dropped and len(dropped) < len(seen)
+    assert all(n.endswith(_convert._HOOK_DICTS) or ".forward." in n for n, _ in dropped)
+    assert not any(g == "TENSOR_MATCH" for _, g in dropped)
+    assert any(n.endswith(".forward.func") for n, _, k in seen if k)  # what a converted module runs stays guarded
+
+    # a config of the user's own is kept (the filter is offered, not forced); another backend's comes back unchanged
+    own = _model("llama")
+    own.generation_config.compile_config = CompileConfig(fullgraph=True)
+    ops_adv.convert_model(own)
+    assert own.generation_config.compile_config.mode == "reduce-overhead"
+    eager = CompileConfig(backend="eager")
+    assert _convert.compile_config(eager) is eager
+    assert _convert.compile_config(CompileConfig(fullgraph=True)).fullgraph is True

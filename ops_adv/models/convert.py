@@ -341,6 +341,7 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
         if rows and "_ops_adv_attention" in model.__dict__:  # refreshed by explain_model: what calls took
             model.__dict__["_ops_adv_attention_rows"] = (len(report), len(rows))
         report += rows
+        report += hf.use_compile_config(model)
     model._ops_adv_report = report
     model.tune_for_hardware = functools.partial(_tune_method, model)  # pickles, unlike a bound method
     for m in model.modules():
