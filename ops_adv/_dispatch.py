@@ -244,7 +244,7 @@ def _resolve(op: str, problem: tuple, device) -> Callable[..., Any]:
         seen[(op, bucketed)] = None
     fn = impl.bind(params)
     if source != "tuned":
-        fn = Default(fn, (op, bucketed)) if impl.vendor else _counting(fn, (op, bucketed))
+        fn = _counting(fn, (op, bucketed), impl.vendor)
     for wrap in _wrappers:
         fn = wrap(op, p, impl.name, source, fn)
     _caches[op][(problem, device)] = fn
@@ -347,33 +347,21 @@ def stop_recording(seen: dict) -> None:
         _recording[:] = [r for r in _recording if r is not seen]
 
 
-class Default:
-    """A vendor kernel run because the table held no winner for the problem; each call counts as a miss. An op
-    seeing one may count the miss (`miss()`) and run torch's own function on the caller's tensors instead: the
-    same math, without adapting them to the kernel's form (rope on the CPU: half the time, issue 30)."""
-
-    __slots__ = ("fn", "key")
-
-    def __init__(self, fn: Callable[..., Any], key: tuple[str, tuple]) -> None:
-        self.fn, self.key = fn, key
-        _misses.setdefault(key, 0)
-
-    def miss(self) -> None:
-        _misses[self.key] = _misses.get(self.key, 0) + 1
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _misses[self.key] = _misses.get(self.key, 0) + 1
-        return self.fn(*args, **kwargs)
-
-
-def _counting(fn: Callable[..., Any], key: tuple[str, tuple]) -> Callable[..., Any]:
-    """`fn`, counting each call as a miss (the table did not hold this problem)."""
+def _counting(fn: Callable[..., Any], key: tuple[str, tuple], vendor: bool = False) -> Callable[..., Any]:
+    """`fn`, counting each call as a miss (the table did not hold this problem). For a vendor kernel the result
+    carries `vendor_miss`: an op may call it and run torch's own function on the caller's tensors instead, the same
+    math without adapting them to the kernel's form (rope on the CPU: half the time, issue 30)."""
     _misses.setdefault(key, 0)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         _misses[key] = _misses.get(key, 0) + 1
         return fn(*args, **kwargs)
 
+    if vendor:
+        def miss() -> None:
+            _misses[key] = _misses.get(key, 0) + 1
+
+        run.vendor_miss = miss
     return run
 
 

@@ -78,9 +78,9 @@ def _rows_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether a row-wise op (norms) covers x with these per-column parameters."""
     if x.dim() < 1 or x.dtype not in DTYPE_CODE or _autocast() or _functorch():
         return False
-    cols, dt, dev = x.shape[-1], x.dtype, x.get_device()  # get_device: an int, where .device builds an object
+    cols = x.shape[-1]
     for p in params:
-        if p is not None and (p.dim() != 1 or p.shape[0] != cols or p.dtype is not dt or p.get_device() != dev):
+        if p is not None and (p.dim() != 1 or p.shape[0] != cols or p.dtype is not x.dtype or p.device != x.device):
             return False
     return True
 

@@ -21,7 +21,7 @@ import torch
 from kernel_space._common import DTYPE_CODE
 from kernel_space.rope.vendor import composite, full_tables
 
-from .._dispatch import Default as _Default, cache_for, lookup, register_function
+from .._dispatch import cache_for, lookup, register_function
 from .._op import _compiled_vendor, _functorch, _grad_enabled, _is_compiling, _tracing_state, define
 
 _rope_cache = cache_for("rope")
@@ -133,8 +133,9 @@ def _rope(q, k, cos, sin, positions, interleaved: bool, layout: str, inplace: bo
     fn = _rope_cache.get(key)
     if fn is None:
         fn = lookup("rope", *key)
-    if fn.__class__ is _Default:  # no winner: the vendor's formula in the caller's layout, no repacking (~2x on the CPU)
-        fn.miss()
+    miss = getattr(fn, "vendor_miss", None)
+    if miss is not None:  # no winner: the vendor's formula in the caller's layout, no repacking (~2x on the CPU)
+        miss()
         return _composite(q, k, cos, sin, positions, interleaved, inplace, layout)
     qo, ko = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
     q4, k4 = _bshd(q, layout), _bshd(k, layout)
