@@ -59,8 +59,9 @@ def test_census_counts_every_call_by_source(no_table):
         generate_workload(m, batch_sizes=1, prompt_lens=8, max_new_tokens=3, padding="none")
     src = c.by_source()
     assert c.calls > 0 and src == {"tuned": 0, "nearest": 0, "twin": 0, "default": c.calls}
-    # a layer's 7 projections + lm_head, per forward (1 prefill + 2 decode steps, 2 layers)
-    assert sum(r["calls"] for r in c.rows() if r["op"] == "gemm") == 3 * (2 * 7 + 1)
+    # a layer's 4 gemms (q/k/v merged, o, gate/up merged, down) + lm_head, per forward (1 prefill + 2 decode
+    # steps, 2 layers)
+    assert sum(r["calls"] for r in c.rows() if r["op"] == "gemm") == 3 * (2 * 4 + 1)
     assert "default" in str(c) and "gemm" in str(c)
     with ops_adv.census() as idle:
         pass

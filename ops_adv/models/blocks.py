@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .merge import _observed, merge, one_gemm, project
+
 _REWRITTEN: dict[tuple[type, str], tuple[Callable, list[str]] | str] = {}
 
 
@@ -53,10 +55,12 @@ class _Rewriter(ast.NodeTransformer):
     """`norm_ok(name)` / `silu_ok(name)`: whether `self.<name>` is an RMS norm / a SiLU (checked on the
     instance, or read from the names a pickled forward was built with)."""
 
-    def __init__(self, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool]):
-        self.norm_ok, self.silu_ok = norm_ok, silu_ok
+    def __init__(self, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool],
+                 linear_ok: Callable[[str], bool] = lambda name: False):
+        self.norm_ok, self.silu_ok, self.linear_ok = norm_ok, silu_ok, linear_ok
         self.done: list[str] = []
         self.names: set[str] = set()
+        self.groups: list[tuple[str, ...]] = []  # Linear layers on one input, run as one gemm (see merge)
         self.checked = False  # a pattern matched in the source, and the instance's modules were checked
 
     def _check(self, ok: Callable[[str], bool], name: str) -> bool:
@@ -90,12 +94,83 @@ class _Rewriter(ast.NodeTransformer):
             i += 1
         return out
 
+    def _proj_call(self, node: ast.AST) -> tuple[str, str] | None:
+        """`self.<lin>(<name>)` where <lin> is a Linear layer -> (lin, name)."""
+        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and _name(node.args[0]):
+            lin = _self_attr(node.func)
+            if lin and lin not in self.names and self.linear_ok(lin):
+                return lin, _name(node.args[0])
+        return None
+
+    def _one_projection(self, stmt: ast.stmt) -> tuple[ast.Call, str, str] | None:
+        """The one `self.<lin>(x)` an assignment evaluates unconditionally, when it has exactly one and does not
+        assign x; else None."""
+        if not isinstance(stmt, ast.Assign):
+            return None
+        found, stored = [], set()
+
+        def walk(n: ast.AST, sure: bool) -> None:
+            if isinstance(n, (ast.Lambda, ast.FunctionDef, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
+                              ast.NamedExpr)):
+                found.append(None)  # evaluated later, or assigns: not this pattern
+                return
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                stored.add(n.id)
+            pc = self._proj_call(n) if sure else None
+            if pc is not None:
+                found.append((n, *pc))
+            cond = isinstance(n, (ast.IfExp, ast.BoolOp))
+            for i, c in enumerate(ast.iter_child_nodes(n)):
+                walk(c, sure and not (cond and (i > 0 or isinstance(n, ast.BoolOp))))
+
+        walk(stmt, True)
+        if len(found) != 1 or found[0] is None or found[0][2] in stored:
+            return None
+        return found[0]
+
+    def _group_projections(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """Consecutive assignments each applying a different Linear layer to the same `x`
+        (`q = self.q_proj(x)...; k = self.k_proj(x)...; v = ...`) -> the layers' outputs from one call first."""
+        out, i = [], 0
+        while i < len(body):
+            run = []
+            for s in body[i:]:
+                p = self._one_projection(s)
+                if p is None or (run and (p[2] != run[0][2] or p[1] in {r[1] for r in run})):
+                    break
+                run.append(p)
+            if len(run) < 2:
+                out.append(body[i])
+                i += 1
+                continue
+            tmp = [f"__ops_adv_proj{len(self.groups)}_{k}" for k in range(len(run))]
+            swap = {id(call): t for (call, _, _), t in zip(run, tmp)}
+
+            class _Swap(ast.NodeTransformer):
+                def visit_Call(self, n: ast.Call) -> ast.AST:
+                    t = swap.get(id(n))
+                    return ast.copy_location(ast.Name(t, ast.Load()), n) if t else self.generic_visit(n)
+
+            names = tuple(r[1] for r in run)
+            call = ast.Call(func=ast.Name("__ops_adv_project", ast.Load()),
+                            args=[ast.Name(run[0][2], ast.Load()),
+                                  *[ast.Attribute(ast.Name("self", ast.Load()), n, ast.Load()) for n in names]],
+                            keywords=[])
+            out.append(ast.copy_location(ast.Assign(
+                targets=[ast.Tuple([ast.Name(t, ast.Store()) for t in tmp], ast.Store())], value=call), body[i]))
+            out += [_Swap().visit(s) for s in body[i: i + len(run)]]
+            self.groups.append(names)
+            self.names.update(names)
+            self.done.append(f"{', '.join(names)} -> one gemm (merged weights)")
+            i += len(run)
+        return out
+
     def generic_visit(self, node: ast.AST) -> ast.AST:
         node = super().generic_visit(node)
         for field in ("body", "orelse", "finalbody"):
             stmts = getattr(node, field, None)
             if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
-                setattr(node, field, self._fuse_add_norm(stmts))
+                setattr(node, field, self._group_projections(self._fuse_add_norm(stmts)))
         return node
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
@@ -104,6 +179,16 @@ class _Rewriter(ast.NodeTransformer):
                 and not node.left.keywords:
             act = _self_attr(node.left.func)
             if act and self._check(self.silu_ok, act):
+                g, u = self._proj_call(node.left.args[0]), self._proj_call(node.right)
+                if g and u and g[1] == u[1] and g[0] != u[0]:  # act(self.gate(x)) * self.up(x): one gemm
+                    self.done.append(f"{act}({g[0]}) * {u[0]} -> one gemm (merged weights), swiglu")
+                    self.names.update((act, g[0], u[0]))
+                    self.groups.append((g[0], u[0]))
+                    s = ast.Name("self", ast.Load())
+                    return ast.copy_location(ast.Call(
+                        func=ast.Name("__ops_adv_gate_up", ast.Load()),
+                        args=[node.left.func, ast.Attribute(s, g[0], ast.Load()), ast.Attribute(s, u[0], ast.Load()),
+                              ast.Name(g[1], ast.Load())], keywords=[]), node)
                 self.done.append(f"{act}(gate) * up -> swiglu")
                 self.names.add(act)
                 return ast.copy_location(ast.Call(func=ast.Name("__ops_adv_swiglu", ast.Load()),
@@ -176,16 +261,24 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
             acts.add(name)
         return ok
 
-    new, done, why = _rewrite(type(m), norm_ok, silu_ok)
+    def linear_ok(name: str) -> bool:
+        return type(getattr(m, name, None)) is nn.Linear
+
+    new, done, why = _rewrite(type(m), norm_ok, silu_ok, linear_ok)
     if new is not None:  # the modules checked here: a module put in their place later runs as itself
         for names, mark in ((norms, "_ops_adv_rms_ok"), (acts, "_ops_adv_silu_ok")):
             for name in names:
                 getattr(m, name).__dict__[mark] = True
+        for group in new._ops_adv_groups:  # the layers' weights into one tensor; where not, they run one by one
+            not_merged = merge([getattr(m, n) for n in group])
+            if not_merged:
+                done = [d if not d.startswith(", ".join(group) + " ->") and f"({group[0]}) * {group[-1]} ->" not in d
+                        else f"{', '.join(group)}: separate gemms ({not_merged})" for d in done]
     return new, done, why
 
 
 def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool],
-             want: set[str] | None = None) -> tuple[Callable | None, list[str], str]:
+             linear_ok: Callable[[str], bool]) -> tuple[Callable | None, list[str], str]:
     chain, fn = _wrappers(cls.forward)
     if not isinstance(fn, types.FunctionType):
         return None, [], "forward is not a Python function"
@@ -208,7 +301,7 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
     if not isinstance(fdef, ast.FunctionDef):
         return None, [], "forward is not a plain function"
     fdef.decorator_list = []
-    rw = _Rewriter(norm_ok, silu_ok)
+    rw = _Rewriter(norm_ok, silu_ok, linear_ok)
     rw.visit(fdef)
     done = rw.done
     rope_fn = _rope_matches(fn.__globals__.get("apply_rotary_pos_emb")) if any("rope" in d for d in done) else None
@@ -243,10 +336,18 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
             return act(gate) * up
         return swiglu(gate, up)
 
+    def gate_up(act, gate_proj, up_proj, x):
+        if act.__dict__.get("_ops_adv_silu_ok") and not _observed(act):
+            y = one_gemm(x, (gate_proj, up_proj))
+            if y is not None and y.shape[-1] % 2 == 0 and gate_proj.out_features == up_proj.out_features:
+                return swiglu(y)  # [..., 2I]: gate then up
+        return gated(act, gate_proj(x), up_proj(x))
+
     # The rewritten forward's globals are a real module in sys.modules: Dynamo (torch 2.11) reaches an
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
     glb = _globals_module(fn).__dict__
-    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated)
+    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated, __ops_adv_gate_up=gate_up,
+               __ops_adv_project=project)
     if rope_fn is not None:
         glb["__ops_adv_apply_rotary_pos_emb"] = rope_fn
     code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")
@@ -260,26 +361,13 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
     # pickle finds the function as ops_adv.models.blocks._fused.<token> (rebuilt there in a new process)
     new.__module__, new.__qualname__ = __name__, "_fused." + token
     new._ops_adv_fused = True
+    new._ops_adv_groups = tuple(rw.groups)
     _BY_NAME[token] = new
     return new, done, ""
 
 
 _BY_NAME: dict[str, Callable] = {}
 _EPS_NAME: dict[type, str] = {}
-_hooks = torch.nn.modules.module
-
-
-def _observed(m: nn.Module) -> bool:
-    """Whether something would see `m` called (its hooks or global ones), or its forward is not its own or ours:
-    then a fused block calls it as the original does, so hooks fire with the original's values."""
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks \
-            or _hooks._global_forward_hooks or _hooks._global_forward_pre_hooks or _hooks._global_backward_hooks \
-            or _hooks._global_backward_pre_hooks:
-        return True
-    f = m.__dict__.get("forward")
-    return f is not None and not getattr(getattr(f, "func", None), "_ops_adv_forward", False)
-
-
 def _wrappers(f: Any) -> tuple[list, Any]:
     """(decorators' wrapper functions, outermost first; the function they wrap)."""
     chain = []
@@ -330,7 +418,7 @@ class _Fused:
         cls: Any = importlib.import_module(mod)
         for part in qualname.split("."):
             cls = getattr(cls, part)
-        fn, _, why = _rewrite(cls, lambda n: n in names, lambda n: n in names)
+        fn, _, why = _rewrite(cls, lambda n: n in names, lambda n: n in names, lambda n: n in names)
         if fn is None or _BY_NAME.get(token) is not fn:
             raise AttributeError(f"cannot rebuild ops_adv's fused forward of {qualname}: {why or 'its source changed'}")
         return fn

@@ -56,14 +56,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight, bias)
         return _via_gemm(x, weight, bias)  # the gemm operator: the graph never depends on the table
     if _grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return F.linear(x, weight, bias) if _vendor(x, weight) else _via_gemm(x, weight, bias)
+        return _chosen(x, weight, bias)
     if x.is_contiguous() and weight.is_contiguous():  # nn.Linear: one dict hit, then the chosen call
         key = (x.numel() // K, weight.shape[0], K, DTYPE_CODE[dt], x.device)
         fn = _fast_cache.get(key)
         if fn is None:
             fn = _resolve_fast(x, weight, key)
         return fn(x, weight, bias)
-    return F.linear(x, weight, bias) if _vendor(x, weight) else _via_gemm(x, weight, bias)
+    return _chosen(x, weight, bias)
 
 
 def _via_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,12 +78,16 @@ def _gemm_problem(x: torch.Tensor, weight: torch.Tensor) -> tuple:
     return _dispatch.signature_of("gemm")(x.reshape(-1, x.shape[-1]), weight.t())
 
 
-def _vendor(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the gemm table's choice for x @ weight.T is the vendor kernel (then F.linear is that call)."""
+def _chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear where the gemm table's choice for x @ weight.T is the vendor kernel (counted as that kernel, as
+    the contiguous path's is), else the chosen gemm kernel through the gemm op."""
     if x.device != weight.device:
-        return True  # torch's error
-    impl, _params, _source = _dispatch.decided("gemm", _gemm_problem(x, weight), x.device)
-    return get_impl("gemm", impl).vendor
+        return F.linear(x, weight, bias)  # torch's error
+    problem = _gemm_problem(x, weight)
+    impl, _params, _source = _dispatch.decided("gemm", problem, x.device)
+    if get_impl("gemm", impl).vendor:
+        return _dispatch.stand_in("gemm", problem, x.device, F.linear)(x, weight, bias)
+    return _via_gemm(x, weight, bias)
 
 
 def _resolve_fast(x: torch.Tensor, weight: torch.Tensor, key: tuple) -> Callable[..., torch.Tensor]:
