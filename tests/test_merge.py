@@ -100,9 +100,14 @@ def test_the_model_follows_every_way_its_weights_change():
     conv.load_state_dict(_tiny().state_dict(), assign=True)
     same()
     model.double()
-    conv.double()
+    conv.double()  # a dtype or device change merges the weights again
+    a = conv.model.layers[1].self_attn
+    assert a.q_proj.weight.dtype == torch.float64
+    assert a.q_proj.weight.untyped_storage().data_ptr() == a.v_proj.weight.untyped_storage().data_ptr()
     with torch.no_grad():
         torch.testing.assert_close(conv(IDS).logits, model(IDS).logits)
+    conv.to(torch.float64)  # a no-op move keeps it as it is
+    assert a.q_proj.weight.untyped_storage().data_ptr() == a.v_proj.weight.untyped_storage().data_ptr()
 
 
 def test_training_gives_every_projection_its_own_gradient():

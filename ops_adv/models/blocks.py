@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .merge import _observed, merge, one_gemm, project
+from .merge import _observed, keep_merged, merge, one_gemm, project
 
 _REWRITTEN: dict[tuple[type, str], tuple[Callable, list[str]] | str] = {}
 
@@ -269,11 +269,16 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
         for names, mark in ((norms, "_ops_adv_rms_ok"), (acts, "_ops_adv_silu_ok")):
             for name in names:
                 getattr(m, name).__dict__[mark] = True
+        merged = []
         for group in new._ops_adv_groups:  # the layers' weights into one tensor; where not, they run one by one
             not_merged = merge([getattr(m, n) for n in group])
             if not_merged:
                 done = [d if not d.startswith(", ".join(group) + " ->") and f"({group[0]}) * {group[-1]} ->" not in d
                         else f"{', '.join(group)}: separate gemms ({not_merged})" for d in done]
+            else:
+                merged.append(group)
+        if merged:
+            keep_merged(m, tuple(merged))
     return new, done, why
 
 

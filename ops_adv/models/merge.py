@@ -38,6 +38,8 @@ def merge(mods: list[nn.Module]) -> str | None:
         return "a weight is computed (parametrized or pruned)"
     if len({id(t) for t in ws + bs if t is not None}) != len([t for t in ws + bs if t is not None]):
         return "they share a parameter"
+    if _span(ws) is not None and (bs[0] is None or _span(bs) is not None):
+        return None  # already merged
     w0 = ws[0]
     if any(type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.layout is not torch.strided
            or w.dim() != 2 or w.dtype is not w0.dtype or w.device != w0.device or w.shape[1] != w0.shape[1]
@@ -65,6 +67,19 @@ def merge(mods: list[nn.Module]) -> str | None:
     for m in mods:  # pickle and deepcopy give each parameter its own rows only (a view pickles its whole storage)
         m.__dict__["__getstate__"] = functools.partial(_state, m)
     return None
+
+
+def keep_merged(block: nn.Module, groups: tuple[tuple[str, ...], ...]) -> None:
+    """Merge `block`'s groups again after `.to()`, `.half()`, `.cuda()` (which give each parameter its own new
+    tensor): nn.Module._apply reaches each module through its instance attribute."""
+    block.__dict__["_apply"] = functools.partial(_apply_and_merge, block, groups)
+
+
+def _apply_and_merge(block: nn.Module, groups: tuple[tuple[str, ...], ...], fn: Any, recurse: bool = True) -> nn.Module:
+    out = type(block)._apply(block, fn, recurse)
+    for group in groups:
+        merge([getattr(block, n) for n in group])
+    return out
 
 
 def _state(m: nn.Module) -> dict:
