@@ -52,11 +52,11 @@ def _name(node: ast.AST) -> str | None:
 
 
 class _Rewriter(ast.NodeTransformer):
-    """`norm_ok(name)` / `silu_ok(name)`: whether `self.<name>` is an RMS norm / a SiLU (checked on the
-    instance, or read from the names a pickled forward was built with)."""
+    """`norm_ok(name)` / `silu_ok(name)` / `linear_ok(name)`: whether `self.<name>` is an RMS norm / a SiLU /
+    an nn.Linear (checked on the instance, or read from the names a pickled forward was built with)."""
 
     def __init__(self, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool],
-                 linear_ok: Callable[[str], bool] = lambda name: False):
+                 linear_ok: Callable[[str], bool]):
         self.norm_ok, self.silu_ok, self.linear_ok = norm_ok, silu_ok, linear_ok
         self.done: list[str] = []
         self.names: set[str] = set()
@@ -342,9 +342,10 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
         return swiglu(gate, up)
 
     def gate_up(act, gate_proj, up_proj, x):
-        if act.__dict__.get("_ops_adv_silu_ok") and not _observed(act):
+        if act.__dict__.get("_ops_adv_silu_ok") and not _observed(act) \
+                and getattr(gate_proj, "out_features", None) == getattr(up_proj, "out_features", 0):
             y = one_gemm(x, (gate_proj, up_proj))
-            if y is not None and y.shape[-1] % 2 == 0 and gate_proj.out_features == up_proj.out_features:
+            if y is not None:
                 return swiglu(y)  # [..., 2I]: gate then up
         return gated(act, gate_proj(x), up_proj(x))
 

@@ -10,9 +10,9 @@ launches one kernel.
 Any call where that would not be exactly what the model does runs the layers one by one, as before:
 gradients needed (a train step computes each layer's gradient as the original does), a layer hooked,
 replaced or re-forwarded, or parameters no longer side by side in one storage (`.data` replaced,
-`.to()` after conversion, `load_state_dict(assign=True)`, a replica or a deep copy). The test is made on
-every call (eager) or inside the `ops_adv::project` operator when it runs (compile, export), never on a
-cached copy, so nothing can go stale.
+`load_state_dict(assign=True)`, a replica or a deep copy). The test is made on every call (eager) or
+inside the `ops_adv::project` operator when it runs (compile, export), never on a cached copy, so nothing
+can go stale. `.to()`, `.half()` and `.cuda()` merge again (`keep_merged`).
 """
 from __future__ import annotations
 
@@ -21,11 +21,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .._dispatch import _OP_FUNCS
 from .._op import _autocast, _functorch, _is_compiling, _tracing_state, define
-
 
 
 def merge(mods: list[nn.Module]) -> str | None:
@@ -146,24 +144,24 @@ def _observed(m: nn.Module) -> bool:
 
 def one_gemm(x: torch.Tensor, mods: tuple[nn.Module, ...]) -> torch.Tensor | None:
     """The layers' outputs side by side from one gemm, or None where the layers must run as they are."""
-    if not isinstance(x, torch.Tensor) or _autocast() or _functorch():
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.numel() or _autocast() or _functorch():
         return None
     ws, bs = [], []
-    grad = torch.is_grad_enabled() and x.requires_grad
+    grad_on = torch.is_grad_enabled()
+    grad = grad_on and x.requires_grad
     for m in mods:
         if type(m) is not nn.Linear or _observed(m):
             return None
         p = m._parameters
         w, b = p.get("weight"), p.get("bias")
-        if w is None or "bias" not in p:
+        if w is None or "bias" not in p or w.dim() != 2:
             return None
-        if torch.is_grad_enabled() and (w.requires_grad or (b is not None and b.requires_grad)):
+        if grad_on and (w.requires_grad or (b is not None and b.requires_grad)):
             grad = True
         ws.append(w)
         if b is not None:
             bs.append(b)
-    if grad or (bs and len(bs) != len(ws)) or x.dtype is not ws[0].dtype or x.shape[-1] != ws[0].shape[1] \
-            or x.dim() < 1 or not x.numel():
+    if grad or (bs and len(bs) != len(ws)) or x.dtype is not ws[0].dtype or x.shape[-1] != ws[0].shape[1]:
         return None
     if _is_compiling() or _tracing_state() is not None:
         return torch.ops.ops_adv.project(x, ws, bs)  # the side-by-side test runs inside, on the real tensors

@@ -30,6 +30,8 @@ from .._op import _compiled_vendor, _autocast, _fresh, _functorch, _grad_enabled
 _linear_cache = cache_for("linear")
 # (M, N, K, dtype, device) -> the call a contiguous x and weight run without an activation; emptied with the others
 _fast_cache = cache_for("linear.gemm")
+# (gemm problem, device) -> the call any other covered x runs (grad needed, non-contiguous); emptied likewise
+_chosen_cache = cache_for("linear.chosen")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -80,14 +82,17 @@ def _gemm_problem(x: torch.Tensor, weight: torch.Tensor) -> tuple:
 
 def _chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear where the gemm table's choice for x @ weight.T is the vendor kernel (counted as that kernel, as
-    the contiguous path's is), else the chosen gemm kernel through the gemm op."""
+    the contiguous path's is), else the chosen gemm kernel through the gemm op; resolved once per problem."""
     if x.device != weight.device:
         return F.linear(x, weight, bias)  # torch's error
     problem = _gemm_problem(x, weight)
-    impl, _params, _source = _dispatch.decided("gemm", problem, x.device)
-    if get_impl("gemm", impl).vendor:
-        return _dispatch.stand_in("gemm", problem, x.device, F.linear)(x, weight, bias)
-    return _via_gemm(x, weight, bias)
+    key = (problem, x.device)
+    fn = _chosen_cache.get(key)
+    if fn is None:
+        impl, _params, _source = _dispatch.decided("gemm", problem, x.device)
+        fn = _dispatch.stand_in("gemm", problem, x.device, F.linear) if get_impl("gemm", impl).vendor else _via_gemm
+        _dispatch.bounded(_chosen_cache)[key] = fn
+    return fn(x, weight, bias)
 
 
 def _resolve_fast(x: torch.Tensor, weight: torch.Tensor, key: tuple) -> Callable[..., torch.Tensor]:
