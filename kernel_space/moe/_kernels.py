@@ -1,0 +1,129 @@
+"""moe's Triton kernels and their launch (needs triton; `triton.py` imports this on the first call).
+
+Token slots (t * top_k + k) come sorted by expert and padded per expert to BLOCK_SIZE_M (`routing.align`), so
+each row block of a launch belongs to one expert. Two grouped gemms over those blocks:
+- `_w13_kernel`: x[t] @ w13[e].T as two accumulators (gate rows, up rows), silu(gate) * up in the epilogue,
+  stored per slot: [T * top_k, N];
+- `_w2_kernel`: that @ w2[e].T times the slot's routing weight, stored per slot: [T * top_k, K];
+then a sum over top_k. Both take one configuration (as vLLM's fused_moe does).
+"""
+# No `from __future__ import annotations`: Triton reads the tl.constexpr annotations.
+import torch
+import triton
+import triton.language as tl
+
+from .routing import align, route
+
+
+@triton.jit
+def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of program `pid`: GROUP_M row blocks walked column by column share B in L2."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _w13_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
+    N, K, slots, padded,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), tl.cdiv(padded, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slot < slots
+    tok = tl.where(valid, slot // TOP_K, 0)  # padding rows read token 0 and are never stored
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N  # columns past N wrap inside the weight; only the store is masked
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
+            g = tl.load(g_ptrs, mask=offs_k[:, None] < left, other=0.0)
+            u = tl.load(u_ptrs, mask=offs_k[:, None] < left, other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    y = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptrs = out_ptr + slot[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _w2_kernel(
+    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, total_ptr,
+    N, K, slots, padded,
+    stride_am, stride_an, stride_we, stride_wk, stride_wn, stride_om, stride_ok,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # out[slot, :K] = a[slot, :N] @ w2[e].T * weight[slot]: the output's columns run over K, the reduction over N
+    pid_m, pid_n = _tile(tl.program_id(0), tl.cdiv(padded, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slot < slots
+    row = tl.where(valid, slot, 0)
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = offs_c % K
+    offs_r = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_r[None, :] * stride_an
+    b_ptrs = w_ptr + e * stride_we + rc[None, :] * stride_wk + offs_r[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in range(0, tl.cdiv(N, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            left = N - r * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_r[None, :] < left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_r[:, None] < left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_an
+        b_ptrs += BLOCK_K * stride_wn
+    acc = acc * tl.load(weight_ptr + row, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + slot[:, None] * stride_om + offs_c[None, :] * stride_ok
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_c[None, :] < K))
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, BLOCK_SIZE_M: int, BLOCK_SIZE_N: int, BLOCK_SIZE_K: int, GROUP_SIZE_M: int,
+              num_warps: int, num_stages: int) -> torch.Tensor:
+    T, K = x.shape
+    E, N = w13.shape[0], w2.shape[-1]
+    weights, ids = route(router_logits, top_k, renormalize)
+    sorted_slots, block_expert, total = align(ids, E, BLOCK_SIZE_M)
+    slots, padded = T * top_k, sorted_slots.numel()
+    blocks_m = triton.cdiv(padded, BLOCK_SIZE_M)
+    launch = dict(BLOCK_M=BLOCK_SIZE_M, BLOCK_N=BLOCK_SIZE_N, BLOCK_K=BLOCK_SIZE_K, GROUP_M=GROUP_SIZE_M,
+                  num_warps=num_warps, num_stages=num_stages)
+    inter = torch.empty((slots, N), dtype=x.dtype, device=x.device)
+    _w13_kernel[(blocks_m * triton.cdiv(N, BLOCK_SIZE_N),)](
+        x, w13, inter, sorted_slots, block_expert, total, N, K, slots, padded,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
+        TOP_K=top_k, EVEN_K=K % BLOCK_SIZE_K == 0, **launch)
+    out = torch.empty((slots, K), dtype=x.dtype, device=x.device)
+    _w2_kernel[(blocks_m * triton.cdiv(K, BLOCK_SIZE_N),)](
+        inter, w2, out, weights, sorted_slots, block_expert, total, N, K, slots, padded,
+        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
+        EVEN_K=N % BLOCK_SIZE_K == 0, **launch)
+    return out.view(T, top_k, K).sum(dim=1) if top_k > 1 else out
