@@ -24,6 +24,7 @@ from .ops.conv2d import conv2d
 from .ops.add_rms_norm import add_rms_norm
 from .ops.add_layer_norm import add_layer_norm
 from .ops.swiglu import swiglu
+from .ops.moe import moe
 from .ops.rope import apply_rotary_pos_emb, rope
 from .ops.conv2d_bn_relu import conv2d_bn_relu
 from .models.convert import convert_model, explain_model
@@ -69,6 +70,7 @@ __all__ = [
     "linear",
     "load_table",
     "misses",
+    "moe",
     "record",
     "op_function",
     "profiler",

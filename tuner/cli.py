@@ -209,17 +209,22 @@ def _command(argv: list[str] | None) -> str:
 def export_main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="opsadv-export", description="Write the winners for a device as a table file and a Dockerfile for a runtime-only image.")
     ap.add_argument("--device", required=True)
-    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--out", help="output folder of the table and Dockerfile (needed unless --moe-configs is given)")
+    ap.add_argument("--moe-configs", metavar="DIR",
+                    help="also (or only) write moe winners as the serving engines' fused_moe configs, one JSON file per "
+                         "(E, N, device, dtype) such as E=8,N=14336,device_name=NVIDIA_H200.json (docs/moe.md)")
     ap.add_argument("--db", help="database URL (default: OPS_ADV_DB or the default SQLite file)")
     ap.add_argument("--wheel", action="store_true",
                     help="also build ops-adv's wheel into the folder (pip wheel --no-deps) and install that in the image")
     args = ap.parse_args(argv)
+    if args.out is None and args.moe_configs is None:
+        ap.error("the following arguments are required: --out (or --moe-configs)")
 
     def body() -> int:
         import signal
         import threading
 
-        from .export import export
+        from .export import export, export_moe_configs
 
         def stop(signum, frame):  # SIGTERM as Ctrl-C: the temporary file is removed, the old table stays
             raise KeyboardInterrupt
@@ -227,11 +232,15 @@ def export_main(argv: list[str] | None = None) -> int:
         main = threading.current_thread() is threading.main_thread()
         before = signal.signal(signal.SIGTERM, stop) if main else None
         try:
-            table, docker, n = export(args.device, args.out, args.db or _db_default(), with_wheel=args.wheel)
+            if args.out is not None:
+                table, docker, n = export(args.device, args.out, args.db or _db_default(), with_wheel=args.wheel)
+                print(f"wrote {n} winner(s) to {table} and {docker}; build: docker build -f {docker} {docker.parent}")
+            if args.moe_configs is not None:
+                paths = export_moe_configs(args.device, args.moe_configs, args.db or _db_default())
+                print(f"wrote {len(paths)} moe config file(s) to {args.moe_configs}: {', '.join(p.name for p in paths)}")
         finally:
             if main:
                 signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
-        print(f"wrote {n} winner(s) to {table} and {docker}; build: docker build -f {docker} {docker.parent}")
         return 0
 
     return _run("opsadv-export", body, "interrupted; any table in the folder is whole (the previous one, or this export's if already published)")

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 import kernel_space
-from db import Device, Problem, Winner, open_db
+from db import Device, Problem, Trial, Winner, open_db
 from kernel_space import OpsAdvError
 from ops_adv._table import FORMAT, FORMAT_VERSION, checksum
 
@@ -188,3 +188,113 @@ def _build_wheel(out: Path) -> str:
         if old.name != wheels[0].name:
             old.unlink(missing_ok=True)
     return wheels[0].name
+
+
+# --------------------------------------------------------------------------- moe configs for the serving engines
+
+MOE_IMPL = "triton_fused_moe"
+MOE_CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+# The engines name a file by quantisation (",dtype=fp8_w8a8"); fp16 and bf16 share the file without one. Where a
+# database holds several dtypes for one (E, N, device), the file takes the first of this order that is tuned.
+MOE_DTYPE_SUFFIX = {"bf16": "", "fp16": "", "fp32": ""}
+
+
+def moe_config_name(E: int, N: int, device_name: str, dtype: str) -> str:
+    """The engines' file name for a config of E experts of intermediate size N on `device_name`, e.g.
+    E=8,N=14336,device_name=NVIDIA_H200.json (as torch.cuda.get_device_name() gives it, spaces as underscores)."""
+    return f"E={E},N={N},device_name={device_name.replace(' ', '_')}{MOE_DTYPE_SUFFIX[dtype]}.json"
+
+
+def _moe_candidates(device: str, db_url: str) -> dict[tuple, dict]:
+    """(problem tuple, device name) -> {"params", "median_ms", "from"} for moe on `device`: the winner where it is the
+    Triton kernel, else the fastest correct Triton trial of that problem (an engine always runs its Triton kernel)."""
+    version = kernel_space.get_impl("moe", MOE_IMPL).version
+    spec = kernel_space.get_op("moe")
+    engine = open_db(db_url, migrate=False)
+    found: dict[tuple, dict] = {}
+    with Session(engine) as s:
+        winners = s.execute(
+            select(Winner, Problem, Device).join(Problem, Winner.problem_id == Problem.id)
+            .outerjoin(Device, Winner.device_id == Device.id)
+            .where(Winner.device_class == device, Problem.op == "moe")
+        ).all()
+        trials = s.execute(
+            select(Trial, Problem, Device).join(Problem, Trial.problem_id == Problem.id)
+            .join(Device, Trial.device_id == Device.id)
+            .where(Device.device_class == device, Problem.op == "moe", Trial.impl == MOE_IMPL, Trial.status == "ok",
+                   Trial.kernel_version == version, Trial.median_ms.is_not(None))
+        ).all()
+    def parse(key: str):
+        try:
+            return spec.parse_problem(json.loads(key))
+        except OpsAdvError:  # a problem of an older moe signature: not exported
+            return None
+
+    tuned = set()
+    for w, p, d in winners:
+        problem = parse(p.key)
+        if problem is None:
+            continue
+        tuned.add(problem)
+        if w.impl == MOE_IMPL and w.kernel_version == version:
+            found[(problem, _device_name(d, device))] = {"params": w.params, "median_ms": w.median_ms, "from": "winner"}
+    for t, p, d in trials:
+        problem = parse(p.key)
+        key = (problem, _device_name(d, device))
+        if problem not in tuned or found.get(key, {}).get("from") == "winner":
+            continue
+        if key not in found or t.median_ms < found[key]["median_ms"]:
+            found[key] = {"params": t.params, "median_ms": t.median_ms, "from": "trial"}
+    return found
+
+
+def _device_name(d: Device | None, device: str) -> str:
+    name = (d.fingerprint or {}).get("name") if d is not None else None
+    return str(name) if name else device.upper()
+
+
+def moe_configs(device: str, db_url: str) -> dict[str, dict[str, dict[str, int]]]:
+    """File name -> {token count: config} of the engines' fused_moe, from the moe problems tuned on `device`.
+
+    One file per (E, N, device name, dtype suffix). Its token counts come from one (dtype, K) pair: the first
+    dtype of MOE_DTYPE_SUFFIX's order, then the hidden size K with the most token counts (ties: the largest K);
+    renormalize=True where both were tuned.
+    """
+    groups: dict[tuple, dict[tuple, dict[int, tuple[bool, dict]]]] = {}
+    for (p, name), c in _moe_candidates(device, db_url).items():
+        if p.dtype not in MOE_DTYPE_SUFFIX:
+            continue
+        runs = groups.setdefault((p.E, p.N, name, MOE_DTYPE_SUFFIX[p.dtype]), {}).setdefault((p.dtype, p.K), {})
+        config = {k: int(c["params"][k]) for k in MOE_CONFIG_KEYS}
+        if p.T not in runs or (p.renormalize and not runs[p.T][0]):
+            runs[p.T] = (p.renormalize, config)
+    order = list(MOE_DTYPE_SUFFIX)
+    out = {}
+    for (E, N, name, _suffix), runs in sorted(groups.items()):
+        dtype, K = min(runs, key=lambda dk: (order.index(dk[0]), -len(runs[dk]), -dk[1]))
+        out[moe_config_name(E, N, name, dtype)] = {str(t): cfg for t, (_r, cfg) in sorted(runs[(dtype, K)].items())}
+    return out
+
+
+def export_moe_configs(device: str, out_dir: str, db_url: str) -> list[Path]:
+    """Write `moe_configs` into `out_dir` (created if missing), one JSON file each; returns their paths."""
+    files = moe_configs(device, db_url)
+    if not files:
+        raise OpsAdvError(f"the database has no moe problem tuned on {device} with a correct {MOE_IMPL} configuration; "
+                          f"run opsadv-tune --device {device} --ops moe first")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OpsAdvError(f"--moe-configs {out_dir} is a file, not a folder; pass a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OpsAdvError(f"cannot create folder {out_dir}: {e.strerror}; pass --moe-configs with a writable folder") from None
+    paths = []
+    for name, configs in files.items():
+        try:
+            publish(out / name, json.dumps(configs, indent=4) + "\n", 0o644)
+        except OpsAdvError:
+            raise OpsAdvError(f"cannot write {out / name}; make the folder writable and free space there, or pass "
+                              f"--moe-configs with another folder ({len(paths)} of {len(files)} files written)") from None
+        paths.append(out / name)
+    return paths

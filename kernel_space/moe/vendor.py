@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._common import ITEMSIZE
 from .._registry import register_vendor
 from .routing import route
 
@@ -29,8 +30,11 @@ def torch_experts_loop(x, router_logits, w13, w2, *, top_k: int, activation: str
 def _grouped_mm_missing(p, params) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__.split('+')[0]} has no torch._grouped_mm"
+    size = ITEMSIZE.get(p.dtype, 0)
+    if (p.K * size) % 16 or (p.N * size) % 16:  # on the CPU too
+        return f"torch._grouped_mm needs rows of x, w13 and w2 in multiples of 16 bytes, not K={p.K}, N={p.N} in {p.dtype}"
     if torch.cuda.is_available():
-        # its CUDA kernels: bf16 only; sm_90 (torch < 2.9), sm_80 and newer since; 16-byte aligned rows
+        # its CUDA kernels: bf16 only; sm_90 (torch < 2.9), sm_80 and newer since
         old = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 9)
         need = (9, 0) if old else (8, 0)
         cap = torch.cuda.get_device_capability()
@@ -38,8 +42,6 @@ def _grouped_mm_missing(p, params) -> str | None:
             return f"torch._grouped_mm needs sm_{need[0]}{need[1]} or newer on CUDA, not sm_{cap[0]}{cap[1]}"
         if p.dtype != "bf16":
             return f"torch._grouped_mm on CUDA takes bf16, not {p.dtype}"
-        if p.K % 8 or p.N % 8:
-            return f"torch._grouped_mm needs K and N multiples of 8 (16-byte rows), not K={p.K}, N={p.N}"
     return None
 
 
