@@ -16,7 +16,7 @@ import ops_adv
 from conftest import cli, run_cli
 from kernel_space import get_impl, get_op, relative_error
 from kernel_space.moe import MoeProblem
-from kernel_space.moe.routing import align, padded_slots, route
+from kernel_space.moe.problem import align, padded_slots, route
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

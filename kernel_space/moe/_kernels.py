@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .routing import align, route
+from .problem import align, route
 
 
 @triton.jit

@@ -9,7 +9,7 @@ from .._common import ITEMSIZE, pow2_at_least
 from .._hopper import MAX_ACC_REGS, MAX_MMA_SYNC_REGS, SMEM_BUDGET, smem_buffers, warpgroup_mma
 from .._registry import LazyModule, register_triton
 from .problem import ACTIVATIONS, MoeProblem
-from .routing import padded_slots
+from .problem import padded_slots
 
 _kernels = LazyModule(__package__ + "._kernels")
 

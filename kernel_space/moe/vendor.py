@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from .._common import ITEMSIZE
 from .._registry import register_vendor
-from .routing import route
+from .problem import route
 
 
 @register_vendor("moe", "torch_experts_loop")
