@@ -38,3 +38,15 @@ def check(p: Any, c) -> str | None:
 def triton_swiglu(gate, up=None, *, BLOCK_N=1024, ROWS_PER_PROGRAM=1, num_warps=4):
     """Triton silu(gate) * up (silu in fp32, one rounding); `up` None reads a merged [..., 2I] gate_up."""
     return _kernels.launch(gate, up, BLOCK_N=BLOCK_N, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=num_warps)
+
+
+def geglu_check(p: Any, c) -> str | None:
+    if p.activation != "gelu_tanh":
+        return f"runs GeLU-tanh gates only (this one is {p.activation}: triton_swiglu)"
+    return check(p, c)
+
+
+@register_triton("swiglu", "triton_geglu", space=SPACE, check=geglu_check)
+def triton_geglu(gate, up=None, activation="gelu_tanh", *, BLOCK_N=1024, ROWS_PER_PROGRAM=1, num_warps=4):
+    """Triton gelu_tanh(gate) * up (in fp32, one rounding); `up` None reads a merged [..., 2I] gate_up."""
+    return _kernels.launch_geglu(gate, up, BLOCK_N=BLOCK_N, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=num_warps)
