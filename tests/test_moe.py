@@ -81,6 +81,12 @@ def _check_alignment(ids: torch.Tensor, E: int, bm: int) -> None:
         assert kept.tolist() == sorted(kept.tolist()), "slots keep their order within an expert"
     blocks_per_expert = torch.bincount(block_expert[: n // bm].long(), minlength=E)
     assert blocks_per_expert.tolist() == ((counts + bm - 1) // bm).tolist()
+    try:
+        from kernel_space.moe._kernels import align_one_program
+    except ImportError:  # no triton
+        return
+    one = align_one_program(ids, E, bm)  # the Triton kernel for small slot counts: the same three tensors
+    assert all(torch.equal(a, b) for a, b in zip(one, (sorted_slots, block_expert, total)))
 
 
 @pytest.mark.parametrize("T,E,top_k,bm", [(1, 8, 2, 16), (1, 4, 4, 16), (5, 4, 4, 16), (33, 6, 2, 16), (70, 3, 1, 64)])

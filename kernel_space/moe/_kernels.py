@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .problem import align, route
+from .problem import align, padded_slots, route
 
 
 @triton.jit
@@ -105,13 +105,64 @@ def _w2_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_c[None, :] < K))
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, slots, padded, blocks, E,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """`problem.align` in one program: counts per expert, padded offsets, each block's expert, then each slot's
+    place (its expert's start + the earlier slots of that expert)."""
+    experts = tl.arange(0, E_P2)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for s0 in range(0, slots, CHUNK):
+        ids = tl.load(ids_ptr + s0 + lane, mask=s0 + lane < slots, other=E_P2)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    rounded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(rounded, axis=0)
+    tl.store(total_ptr, tl.sum(rounded, axis=0))
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + lane
+        ex = tl.sum((end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ptr + b, tl.minimum(ex, E - 1), mask=b < blocks)
+    for p0 in range(0, padded, CHUNK):
+        tl.store(sorted_ptr + p0 + lane, tl.zeros([CHUNK], dtype=tl.int32) + slots, mask=p0 + lane < padded)
+    tl.debug_barrier()  # the padding is written before any slot lands
+    start = end - rounded
+    for s0 in range(0, slots, CHUNK):
+        ids = tl.load(ids_ptr + s0 + lane, mask=s0 + lane < slots, other=E_P2)
+        hit = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(hit, start[None, :], 0), axis=1)
+        earlier = tl.sum(((ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + base + earlier, s0 + lane, mask=s0 + lane < slots)
+        start += tl.sum(hit.to(tl.int32), axis=0)
+
+
+# Up to this many slots (tokens x top_k) one program aligns them (one launch instead of about twenty torch ops);
+# beyond it, the torch ops' parallel sort wins over one program's loop.
+ALIGN_IN_ONE_PROGRAM = 1024
+
+
+def align_one_program(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`problem.align` as one Triton launch (same results)."""
+    flat = ids.reshape(-1)
+    slots = flat.numel()
+    padded = padded_slots(slots, experts, block_m)
+    blocks = triton.cdiv(padded, block_m)
+    sorted_slots = torch.empty((padded,), dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty((blocks,), dtype=torch.int32, device=flat.device)
+    total = torch.empty((1,), dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, sorted_slots, block_expert, total, slots, padded, blocks, experts,
+                        E_P2=triton.next_power_of_2(max(experts, 2)), BLOCK_M=block_m, CHUNK=128, num_warps=4)
+    return sorted_slots, block_expert, total
+
+
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, BLOCK_SIZE_M: int, BLOCK_SIZE_N: int, BLOCK_SIZE_K: int, GROUP_SIZE_M: int,
               num_warps: int, num_stages: int) -> torch.Tensor:
     T, K = x.shape
     E, N = w13.shape[0], w2.shape[-1]
     weights, ids = route(router_logits, top_k, renormalize)
-    sorted_slots, block_expert, total = align(ids, E, BLOCK_SIZE_M)
+    aligned = align_one_program if T * top_k <= ALIGN_IN_ONE_PROGRAM else align
+    sorted_slots, block_expert, total = aligned(ids, E, BLOCK_SIZE_M)
     slots, padded = T * top_k, sorted_slots.numel()
     blocks_m = triton.cdiv(padded, BLOCK_SIZE_M)
     launch = dict(BLOCK_M=BLOCK_SIZE_M, BLOCK_N=BLOCK_SIZE_N, BLOCK_K=BLOCK_SIZE_K, GROUP_M=GROUP_SIZE_M,
