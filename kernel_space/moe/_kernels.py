@@ -151,7 +151,7 @@ def align_one_program(ids: torch.Tensor, experts: int, block_m: int) -> tuple[to
     block_expert = torch.empty((blocks,), dtype=torch.int32, device=flat.device)
     total = torch.empty((1,), dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat, sorted_slots, block_expert, total, slots, padded, blocks, experts,
-                        E_P2=triton.next_power_of_2(max(experts, 2)), BLOCK_M=block_m, CHUNK=128, num_warps=4)
+                        E_P2=triton.next_power_of_2(max(experts, 2)), BLOCK_M=block_m, CHUNK=128, num_warps=8)
     return sorted_slots, block_expert, total
 
 
