@@ -151,3 +151,178 @@ def test_custom_operators_backward_matches_torch(op):
     for a, b in zip(ins, ref):
         if b.grad is not None:
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- converted models
+
+transformers = pytest.importorskip("transformers")
+
+# family -> (config class, extra config, what explain_model must say the blocks fused)
+FAMILIES = {
+    "phi3": ("Phi3Config", {}, {"layer": "add_rms_norm", "mlp": "swiglu on the merged [..., 2I] tensor"}),
+    "gemma": ("GemmaConfig", {"head_dim": 16}, {"layer": "add_rms_norm (1 + weight)", "mlp": "swiglu (GeGLU"}),
+    "gemma_hd256": ("GemmaConfig", {"head_dim": 256}, {"layer": "add_rms_norm (1 + weight)", "mlp": "swiglu (GeGLU"}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16}, {"layer": "add_rms_norm (1 + weight)", "mlp": "swiglu (GeGLU"}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16}, {"layer": "add_rms_norm (1 + weight)", "mlp": "swiglu (GeGLU"}),
+}
+
+
+def _model(family: str):
+    name, extra, _ = FAMILIES[family]
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    cfg = getattr(transformers, name)(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # Gemma starts its norms' weights at 0, where (1 + w) and 1 agree: make them differ
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def _ids(seed=1, shape=(2, 9)):
+    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_converted_family_fuses_and_is_the_same_model(family):
+    model = _model(family)
+    conv = ops_adv.convert_model(copy.deepcopy(model))
+    rows = {r["module"]: r for r in ops_adv.explain_model(conv)}
+    want = FAMILIES[family][2]
+    for layer in ("model.layers.0", "model.layers.1"):
+        assert want["layer"] in rows[layer]["why"], rows[layer]
+        assert want["mlp"] in rows[layer + ".mlp"]["why"], rows[layer + ".mlp"]
+    norms = [r for r in rows.values() if r["type"].endswith("RMSNorm")]
+    assert norms and all(r["converted"] == "yes" for r in norms), norms
+    if family == "phi3":  # the fused qkv projection is one Linear: one linear call
+        assert rows["model.layers.0.self_attn.qkv_proj"]["converted"] == "yes"
+    # state_dict: the same keys and values
+    sd, sd0 = conv.state_dict(), model.state_dict()
+    assert list(sd) == list(sd0) and all(torch.equal(sd[k], sd0[k]) for k in sd)
+    # eval logits, and the fused ops (with their variants) are what runs
+    ids = _ids()
+    with torch.no_grad(), ops_adv.record() as rec:
+        got = conv(ids).logits
+    with torch.no_grad():
+        ref = model(ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    probs = {}
+    for op, p in rec.problems():
+        probs.setdefault(op, []).append(p)
+    assert "add_rms_norm" in probs and "swiglu" in probs, probs
+    gemma = family.startswith("gemma")
+    assert all(p[-1] == gemma for p in probs["add_rms_norm"])  # unit_offset
+    assert all(p[-1] == ("gelu_tanh" if gemma else "silu") for p in probs["swiglu"])
+    assert any(p[2] for p in probs["swiglu"])  # merged [..., 2I]: Phi-3's chunked output, Gemma's merged gate/up gemm
+    if gemma:
+        assert all(p[-1] for p in probs["rms_norm"])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_converted_family_trains_as_the_original(family):
+    """Training mode: the loss and the gradient of every parameter (norm weights, the merged gate_up, ...)."""
+    model = _model(family).train()
+    conv = ops_adv.convert_model(copy.deepcopy(model)).train()
+    ids = _ids(2, (2, 12))
+    loss = conv(ids, labels=ids).loss
+    loss0 = model(ids, labels=ids).loss
+    torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    loss0.backward()
+    params0 = dict(model.named_parameters())
+    for name, p in conv.named_parameters():
+        q = params0[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma", "gemma_hd256", "gemma3"])
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_converted_family_generates_the_same_tokens(family, cache):
+    model = _model(family)
+    conv = ops_adv.convert_model(copy.deepcopy(model))
+    ids = _ids(3, (2, 7))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache:
+        kw["cache_implementation"] = cache
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        got = conv.generate(ids, **kw)
+    assert torch.equal(got, want)
+    if cache == "static" and family != "gemma3":  # grouped K/V decode steps run decode_attention (head dim 256 too)
+        rows = [r for r in ops_adv.explain_model(conv) if r["module"].endswith("self_attn") and "fused" not in r["why"]]
+        assert len(rows) == 2 and all("decode_attention" in r["why"] for r in rows), rows
+
+
+def test_unit_offset_norms_are_recognised_by_what_they_do():
+    """A (1 + weight) norm that returns fp32 for bf16 input, or that ignores its weight, is another op: left alone."""
+    import torch.nn as nn
+
+    class Gemmalike(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(n))  # 0: 1 + w and 1 agree on the model's own weight
+            self.eps = 1e-6
+
+        def forward(self, x):
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+    class NoCast(Gemmalike):
+        def forward(self, x):
+            h = x.float()
+            return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+    class NoWeight(Gemmalike):
+        def forward(self, x):
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+    m = nn.Sequential(Gemmalike(32), NoCast(32), NoWeight(32))
+    x = torch.randn(4, 32)
+    want = m(x)
+    ops_adv.convert_model(m)
+    rows = {r["module"]: r for r in ops_adv.explain_model(m)}
+    assert rows["0"]["converted"] == "yes" and "(1 + weight)" in rows["0"]["why"]
+    assert rows["1"]["converted"] == "no" and "bfloat16" in rows["1"]["why"]
+    assert rows["2"]["converted"] == "no" and "relative error" in rows["2"]["why"]
+    torch.testing.assert_close(m(x), want, rtol=0, atol=0)
+
+
+def test_act_on_the_right_and_chunked_gates_keep_hooks_and_fall_back():
+    """`up * act(gate)` with separate projections merges them into one gemm; a hook on the activation runs the
+    original expression (the hook sees the gate), in the original order."""
+    import torch.nn as nn
+
+    class RightMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 16)
+            self.act = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.up_proj(x) * self.act(self.gate_proj(x)))
+
+    torch.manual_seed(0)
+    mlp = RightMLP()
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        want = mlp(x)
+    conv = ops_adv.convert_model(copy.deepcopy(mlp))
+    row = next(r for r in ops_adv.explain_model(conv) if r["module"] == "")
+    assert "up_proj * act(gate_proj) -> one gemm (merged weights), swiglu" in row["why"], row
+    with torch.no_grad(), ops_adv.record() as rec:
+        torch.testing.assert_close(conv(x), want, rtol=1e-6, atol=1e-6)
+    assert ("swiglu", (15, 24, True, "fp32", "silu")) in set(rec.problems())
+    seen = []
+    conv.act.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape))
+    conv.up_proj.register_forward_hook(lambda mod, inp, out: seen.append("up"))
+    conv.gate_proj.register_forward_hook(lambda mod, inp, out: seen.append("gate"))
+    with torch.no_grad():
+        torch.testing.assert_close(conv(x), want, rtol=1e-6, atol=1e-6)
+    assert seen == ["up", "gate", torch.Size([3, 5, 24])]

@@ -2,9 +2,12 @@
 
 A block's own `forward` is read and matched statement by statement; only the exact patterns
 below are rewritten, everything else in the function stays as its library wrote it:
-- `h = residual + h; residual = h; h = self.<norm>(h)` where `<norm>` is an RMS norm
-  -> `h, residual = add_rms_norm(h, residual, ...)` (the sum is the new residual, as before);
-- `self.<act>(a) * b` where `<act>` is SiLU -> `swiglu(a, b)`;
+- `h = residual + <e>; residual = h; h = self.<norm>(h)` where `<norm>` is an RMS norm, plain or (1 + weight)
+  (Gemma's) -> `h, residual = add_rms_norm(<e>, residual, ...)` (the sum is the new residual, as before; `<e>` is
+  `h` in Llama, `self.resid_attn_dropout(h)` in Phi-3);
+- `self.<act>(a) * b` or `b * self.<act>(a)` where `<act>` is SiLU or GeLU-tanh -> `swiglu(a, b[, activation])`;
+- `a, b = y.chunk(2, dim=-1)` followed by a statement with `b * self.<act>(a)` (Phi-3's merged gate_up_proj)
+  -> `swiglu(y)` on the merged [..., 2I] tensor, whose gate-then-up halves are swiglu's layout (nothing copied);
 - a call of the module-level `apply_rotary_pos_emb` with transformers' signature -> ops-adv's rope.
 A block whose forward has none of them, whose source cannot be read, or that closes over
 variables (`super()`), is left as it is, with the reason in `explain_model`.
@@ -12,6 +15,7 @@ variables (`super()`), is left as it is, with the reason in `explain_model`.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import inspect
 import textwrap
@@ -28,16 +32,26 @@ _REWRITTEN: dict[tuple[type, str], tuple[Callable, list[str]] | str] = {}
 
 
 def _is_silu(m: Any) -> bool:
+    return _act_kind(m) == "silu"
+
+
+def _act_kind(m: Any) -> str | None:
+    """"silu" or "gelu_tanh" (F.gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh) when the parameter-free module
+    `m` computes it on a probe, else None."""
     if isinstance(m, nn.SiLU):
-        return True
+        return "silu"
     if not isinstance(m, nn.Module) or list(m.parameters()) or list(m.children()):
-        return False
+        return None
     x = torch.linspace(-6, 6, 97, device="cpu")  # not the default device (a `with torch.device(...)` block)
     try:
         with torch.no_grad():
-            return bool(torch.allclose(m.forward(x), F.silu(x), atol=1e-6))  # no hooks see the probe
+            y = m.forward(x)  # no hooks see the probe
+            for kind, want in (("silu", F.silu(x)), ("gelu_tanh", F.gelu(x, approximate="tanh"))):
+                if torch.allclose(y, want, atol=1e-6):
+                    return kind
     except Exception:
-        return False
+        pass
+    return None
 
 
 def _self_attr(node: ast.AST) -> str | None:
@@ -51,11 +65,35 @@ def _name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-class _Rewriter(ast.NodeTransformer):
-    """`norm_ok(name)` / `silu_ok(name)` / `linear_ok(name)`: whether `self.<name>` is an RMS norm / a SiLU /
-    an nn.Linear (checked on the instance, or read from the names a pickled forward was built with)."""
+_ACT_NAMES = {"silu": "", "gelu_tanh": " (GeGLU: GeLU-tanh gate)"}
 
-    def __init__(self, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool],
+
+def _chunk_pair(stmt: ast.stmt) -> tuple[str, str, ast.expr] | None:
+    """`a, b = <y>.chunk(2, dim=-1)` (or `.chunk(2, -1)`) -> (a, b, y)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)):
+        return None
+    t, v = stmt.targets[0].elts, stmt.value
+    if len(t) != 2 or not all(isinstance(e, ast.Name) for e in t) or t[0].id == t[1].id or not isinstance(v, ast.Call) \
+            or not isinstance(v.func, ast.Attribute) or v.func.attr != "chunk":
+        return None
+    args = list(v.args) + [k.value for k in v.keywords if k.arg == "dim"]
+
+    def const(n: ast.AST) -> Any:
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub) and isinstance(n.operand, ast.Constant):
+            return -n.operand.value
+        return n.value if isinstance(n, ast.Constant) else None
+
+    if len(args) != 2 or any(k.arg != "dim" for k in v.keywords) or const(args[0]) != 2 or const(args[1]) != -1:
+        return None
+    return t[0].id, t[1].id, v.func.value
+
+
+class _Rewriter(ast.NodeTransformer):
+    """`norm_ok(name)` / `silu_ok(name)` / `linear_ok(name)`: whether `self.<name>` is an RMS norm (its kind: "rms"
+    or "unit_offset") / a gate activation (its kind: "silu" or "gelu_tanh") / an nn.Linear (checked on the instance,
+    or read from the names a pickled forward was built with: then any true value)."""
+
+    def __init__(self, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], Any],
                  linear_ok: Callable[[str], bool]):
         self.norm_ok, self.silu_ok, self.linear_ok = norm_ok, silu_ok, linear_ok
         self.done: list[str] = []
@@ -63,7 +101,7 @@ class _Rewriter(ast.NodeTransformer):
         self.groups: list[tuple[str, ...]] = []  # Linear layers on one input, run as one gemm (see merge)
         self.checked = False  # a pattern matched in the source, and the instance's modules were checked
 
-    def _check(self, ok: Callable[[str], bool], name: str) -> bool:
+    def _check(self, ok: Callable[[str], Any], name: str) -> Any:
         self.checked = True
         return ok(name)
 
@@ -76,17 +114,26 @@ class _Rewriter(ast.NodeTransformer):
                 h, r = _name(a.targets[0]), _name(b.targets[0])
                 add = a.value
                 norm = _self_attr(c.value.func) if isinstance(c.value, ast.Call) else None
-                if (h and r and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add)
-                        and {_name(add.left), _name(add.right)} == {h, r} and _name(b.value) == h
+                # the other addend: `h` (Llama), or an expression of it (Phi-3's `self.resid_attn_dropout(h)`)
+                other = None
+                if h and r and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add):
+                    other = add.right if _name(add.left) == r else add.left if _name(add.right) == r else None
+                if other is not None and any(isinstance(n, ast.NamedExpr) for n in ast.walk(other)):
+                    other = None  # it would assign while the sum is formed
+                kind = None
+                if (other is not None and _name(b.value) == h
                         and _name(c.targets[0]) == h and norm and len(c.value.args) == 1 and not c.value.keywords
-                        and _name(c.value.args[0]) == h and self._check(self.norm_ok, norm)):
+                        and _name(c.value.args[0]) == h):
+                    kind = self._check(self.norm_ok, norm)
+                if kind:
                     call = ast.Call(func=ast.Name("__ops_adv_add_rms_norm", ast.Load()),
-                                    args=[ast.Name(h, ast.Load()), ast.Name(r, ast.Load()),
+                                    args=[other, ast.Name(r, ast.Load()),
                                           ast.Attribute(ast.Name("self", ast.Load()), norm, ast.Load())], keywords=[])
                     out.append(ast.copy_location(ast.Assign(
                         targets=[ast.Tuple([ast.Name(h, ast.Store()), ast.Name(r, ast.Store())], ast.Store())],
                         value=call), a))
-                    self.done.append(f"residual add + {norm} -> add_rms_norm")
+                    self.done.append(f"residual add + {norm} -> add_rms_norm"
+                                     + (" (1 + weight)" if kind == "unit_offset" else ""))
                     self.names.add(norm)
                     i += 3
                     continue
@@ -165,7 +212,62 @@ class _Rewriter(ast.NodeTransformer):
             i += len(run)
         return out
 
+    def _fuse_chunks(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """`a, b = y.chunk(2, dim=-1)` then a statement with `b * self.act(a)` (or `self.act(a) * b`) -> swiglu on
+        y itself: its halves are gate then up, swiglu's merged layout (Phi-3's gate_up_proj output)."""
+        out: list[ast.stmt] = []
+        for i, stmt in enumerate(body):
+            pair = _chunk_pair(stmt)
+            nxt = body[i + 1] if i + 1 < len(body) else None
+            if pair is None or nxt is None or any(isinstance(n, ast.NamedExpr) for n in ast.walk(nxt)):
+                out.append(stmt)
+                continue
+            a, b, y = pair
+            tmp = f"__ops_adv_chunk{len(self.done)}_{i}"
+            rw, found = self, []
+
+            class _Product(ast.NodeTransformer):
+                def visit_BinOp(self, n: ast.BinOp) -> ast.AST:
+                    n = self.generic_visit(n)
+                    if found or not isinstance(n.op, ast.Mult):
+                        return n
+                    for call, other, right in ((n.left, n.right, False), (n.right, n.left, True)):
+                        if isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords \
+                                and _name(call.args[0]) == a and _name(other) == b:
+                            act = _self_attr(call.func)
+                            kind = act and rw._check(rw.silu_ok, act)
+                            if kind:
+                                found.append((act, kind, right))
+                                return ast.copy_location(ast.Call(
+                                    func=ast.Name("__ops_adv_chunked", ast.Load()),
+                                    args=[call.func, ast.Name(tmp, ast.Load()), ast.Name(a, ast.Load()),
+                                          ast.Name(b, ast.Load()), ast.Constant(right)], keywords=[]), n)
+                    return n
+
+            new_next = _Product().visit(copy.deepcopy(nxt))
+            if not found:
+                out.append(stmt)
+                continue
+            act, kind, right = found[0]
+            out.append(ast.copy_location(ast.Assign(targets=[ast.Name(tmp, ast.Store())], value=y), stmt))
+            stmt.value.func.value = ast.Name(tmp, ast.Load())
+            out.append(stmt)
+            body[i + 1] = new_next
+            prev = body[i - 1] if i else None  # `y = self.<proj>(x)` just before: name the projection
+            proj = (_self_attr(prev.value.func) if isinstance(prev, ast.Assign) and isinstance(prev.value, ast.Call)
+                    and isinstance(y, ast.Name) and [_name(t) for t in prev.targets] == [y.id] else None)
+            prod = f"{b} * {act}({a})" if right else f"{act}({a}) * {b}"
+            self.done.append(f"{prod} on the halves of {proj or _name(y) or 'one tensor'}'s output -> swiglu on the merged "
+                             f"[..., 2I] tensor{_ACT_NAMES[kind] if kind in _ACT_NAMES else ''} (gate half first, as "
+                             "swiglu reads it: nothing copied)")
+            self.names.add(act)
+        return out
+
     def generic_visit(self, node: ast.AST) -> ast.AST:
+        for field in ("body", "orelse", "finalbody"):  # before the products inside are visited one by one
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                setattr(node, field, self._fuse_chunks(list(stmts)))
         node = super().generic_visit(node)
         for field in ("body", "orelse", "finalbody"):
             stmts = getattr(node, field, None)
@@ -175,25 +277,34 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
         node = self.generic_visit(node)
-        if isinstance(node.op, ast.Mult) and isinstance(node.left, ast.Call) and len(node.left.args) == 1 \
-                and not node.left.keywords:
-            act = _self_attr(node.left.func)
-            if act and self._check(self.silu_ok, act):
-                g, u = self._proj_call(node.left.args[0]), self._proj_call(node.right)
-                if g and u and g[1] == u[1] and g[0] != u[0]:  # act(self.gate(x)) * self.up(x): one gemm
-                    self.done.append(f"{act}({g[0]}) * {u[0]} -> one gemm (merged weights), swiglu")
-                    self.names.update((act, g[0], u[0]))
-                    self.groups.append((g[0], u[0]))
-                    s = ast.Name("self", ast.Load())
-                    return ast.copy_location(ast.Call(
-                        func=ast.Name("__ops_adv_gate_up", ast.Load()),
-                        args=[node.left.func, ast.Attribute(s, g[0], ast.Load()), ast.Attribute(s, u[0], ast.Load()),
-                              ast.Name(g[1], ast.Load())], keywords=[]), node)
-                self.done.append(f"{act}(gate) * up -> swiglu")
-                self.names.add(act)
-                return ast.copy_location(ast.Call(func=ast.Name("__ops_adv_swiglu", ast.Load()),
-                                                  args=[node.left.func, node.left.args[0], node.right], keywords=[]),
-                                         node)
+        if not isinstance(node.op, ast.Mult):
+            return node
+        for call, other, right in ((node.left, node.right, False), (node.right, node.left, True)):
+            if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords):
+                continue
+            act = _self_attr(call.func)
+            kind = act and self._check(self.silu_ok, act)
+            if not kind:
+                continue
+            what = _ACT_NAMES.get(kind, "")
+            g, u = self._proj_call(call.args[0]), self._proj_call(other)
+            prod = "up * {act}(gate)" if right else "{act}(gate) * up"
+            if g and u and g[1] == u[1] and g[0] != u[0]:  # act(self.gate(x)) * self.up(x), either order: one gemm
+                self.done.append((f"{u[0]} * {act}({g[0]})" if right else f"{act}({g[0]}) * {u[0]}")
+                                 + f" -> one gemm (merged weights), swiglu{what}")
+                self.names.update((act, g[0], u[0]))
+                self.groups.append((g[0], u[0]))
+                s = ast.Name("self", ast.Load())
+                return ast.copy_location(ast.Call(
+                    func=ast.Name("__ops_adv_gate_up", ast.Load()),
+                    args=[call.func, ast.Attribute(s, g[0], ast.Load()), ast.Attribute(s, u[0], ast.Load()),
+                          ast.Name(g[1], ast.Load()), ast.Constant(right)], keywords=[]), node)
+            self.done.append(prod.format(act=act) + f" -> swiglu{what}")
+            self.names.add(act)
+            # the operands are evaluated in the order the original evaluates them
+            args = [call.func, other, call.args[0]] if right else [call.func, call.args[0], other]
+            return ast.copy_location(ast.Call(func=ast.Name("__ops_adv_swiglu_r" if right else "__ops_adv_swiglu",
+                                                            ast.Load()), args=args, keywords=[]), node)
         return node
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
@@ -247,33 +358,43 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
 
     The function is the same object for every instance of a class whose modules pass the same checks,
     and pickle finds it by name (`_fused`), so a model holding it pickles and loads in another process."""
-    norms, acts = set(), set()
+    norms: dict[str, str] = {}
+    acts: dict[str, str] = {}
 
-    def norm_ok(name: str) -> bool:
-        ok = rms_ok(getattr(m, name, None))
-        if ok:
-            norms.add(name)
-        return ok
+    def norm_ok(name: str) -> str | None:
+        kind = rms_ok(getattr(m, name, None))
+        kind = "rms" if kind is True else kind or None  # a plain bool: an RMS norm
+        if kind:
+            norms[name] = kind
+        return kind
 
-    def silu_ok(name: str) -> bool:
-        ok = _is_silu(getattr(m, name, None))
-        if ok:
-            acts.add(name)
-        return ok
+    def silu_ok(name: str) -> str | None:
+        kind = _act_kind(getattr(m, name, None))
+        if kind:
+            acts[name] = kind
+        return kind
 
     def linear_ok(name: str) -> bool:
         return type(getattr(m, name, None)) is nn.Linear
 
     new, done, why = _rewrite(type(m), norm_ok, silu_ok, linear_ok)
     if new is not None:  # the modules checked here: a module put in their place later runs as itself
-        for names, mark in ((norms, "_ops_adv_rms_ok"), (acts, "_ops_adv_silu_ok")):
-            for name in names:
-                getattr(m, name).__dict__[mark] = True
+        for name, kind in norms.items():
+            d = getattr(m, name).__dict__
+            d["_ops_adv_rms_ok"] = True
+            if kind == "unit_offset":
+                d["_ops_adv_rms_unit"] = True  # (1 + weight): add_rms_norm(unit_offset=True)
+        for name, kind in acts.items():
+            d = getattr(m, name).__dict__
+            d["_ops_adv_act"] = kind
+            if kind == "silu":
+                d["_ops_adv_silu_ok"] = True  # what forwards fused before the GeGLU kind read
         merged = []
         for group in new._ops_adv_groups:  # the layers' weights into one tensor; where not, they run one by one
             not_merged = merge([getattr(m, n) for n in group])
             if not_merged:
                 done = [d if not d.startswith(", ".join(group) + " ->") and f"({group[0]}) * {group[-1]} ->" not in d
+                        and not d.startswith(f"{group[-1]} * ") or "one gemm" not in d
                         else f"{', '.join(group)}: separate gemms ({not_merged})" for d in done]
             else:
                 merged.append(group)
@@ -282,7 +403,7 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
     return new, done, why
 
 
-def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str], bool],
+def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], Any],
              linear_ok: Callable[[str], bool]) -> tuple[Callable | None, list[str], str]:
     chain, fn = _wrappers(cls.forward)
     if not isinstance(fn, types.FunctionType):
@@ -314,8 +435,9 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
         return None, [], "apply_rotary_pos_emb here is not transformers' rotate-half formula: left as is"
     if not done:
         if rw.checked:  # the source has a pattern, this instance's modules did not pass: not the class's property
-            return None, [], "no residual-add + RMS norm or SiLU gate that passes its checks on this instance: left as is"
-        return None, [], "no residual-add + RMS norm, SiLU gate or rotary embedding in forward"
+            return None, [], ("no residual-add + RMS norm or SiLU / GeLU-tanh gate that passes its checks on this "
+                              "instance: left as is")
+        return None, [], "no residual-add + RMS norm, SiLU / GeLU-tanh gate or rotary embedding in forward"
     token = "f_" + json.dumps([cls.__module__, cls.__qualname__, sorted(rw.names)]).encode().hex()
     new = _BY_NAME.get(token)
     if new is not None:
@@ -333,27 +455,51 @@ def _rewrite(cls: type, norm_ok: Callable[[str], bool], silu_ok: Callable[[str],
             name = _EPS_NAME[type(norm)] = _eps_name(norm)
         eps = d.get(name)
         w = norm._parameters.get("weight")
-        return add_rms_norm(h, residual, norm.weight if w is None else w,
-                            float(getattr(norm, name) if eps is None else eps))
+        w = norm.weight if w is None else w
+        eps = float(getattr(norm, name) if eps is None else eps)
+        if d.get("_ops_adv_rms_unit"):
+            return add_rms_norm(h, residual, w, eps, unit_offset=True)
+        return add_rms_norm(h, residual, w, eps)
+
+    def kind_of(act):
+        """The gate activation ops_adv computes for `act`, or None where `act` must run itself."""
+        d = act.__dict__
+        kind = d.get("_ops_adv_act") or ("silu" if d.get("_ops_adv_silu_ok") else None)
+        return None if kind is None or _observed(act) else kind
+
+    def glu(y, up, kind):
+        return swiglu(y, up) if kind == "silu" else swiglu(y, up, activation=kind)
 
     def gated(act, gate, up):
-        if not act.__dict__.get("_ops_adv_silu_ok") or _observed(act):
-            return act(gate) * up
-        return swiglu(gate, up)
+        kind = kind_of(act)
+        return act(gate) * up if kind is None else glu(gate, up, kind)
 
-    def gate_up(act, gate_proj, up_proj, x):
-        if act.__dict__.get("_ops_adv_silu_ok") and not _observed(act) \
-                and getattr(gate_proj, "out_features", None) == getattr(up_proj, "out_features", 0):
+    def gated_r(act, up, gate):  # up * act(gate): the product commutes exactly
+        kind = kind_of(act)
+        return up * act(gate) if kind is None else glu(gate, up, kind)
+
+    def chunked(act, y, gate, up, right):  # gate, up = y.chunk(2, dim=-1): y is swiglu's merged layout
+        kind = kind_of(act)
+        if kind is None or not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[-1] % 2:
+            return up * act(gate) if right else act(gate) * up
+        return glu(y, None, kind)
+
+    def gate_up(act, gate_proj, up_proj, x, right=False):
+        kind = kind_of(act)
+        if kind is not None and getattr(gate_proj, "out_features", None) == getattr(up_proj, "out_features", 0):
             y = one_gemm(x, (gate_proj, up_proj))
             if y is not None:
-                return swiglu(y)  # [..., 2I]: gate then up
+                return glu(y, None, kind)  # [..., 2I]: gate then up
+        if right:  # the layers run in the original's order (their hooks see it)
+            up = up_proj(x)
+            return gated_r(act, up, gate_proj(x))
         return gated(act, gate_proj(x), up_proj(x))
 
     # The rewritten forward's globals are a real module in sys.modules: Dynamo (torch 2.11) reaches an
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
     glb = _globals_module(fn).__dict__
-    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated, __ops_adv_gate_up=gate_up,
-               __ops_adv_project=project)
+    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated, __ops_adv_swiglu_r=gated_r,
+               __ops_adv_chunked=chunked, __ops_adv_gate_up=gate_up, __ops_adv_project=project)
     if rope_fn is not None:
         glb["__ops_adv_apply_rotary_pos_emb"] = rope_fn
     code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")

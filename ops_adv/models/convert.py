@@ -11,6 +11,7 @@ transformers' AttentionInterface when transformers is importable.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from typing import Any, Iterator
@@ -131,6 +132,17 @@ def _library_rms_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> to
 _EPS_NAMES: dict[type, str] = {}
 
 
+def _unit_rms_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # A (1 + weight) norm (Gemma's): the library's own forward where dtypes differ or more than x is passed.
+    w = _weight(self)
+    if x.dtype is not w.dtype or args or kwargs:
+        return type(self).forward(self, x, *args, **kwargs)
+    name = _EPS_NAMES.get(type(self))
+    if name is None:
+        name = _EPS_NAMES[type(self)] = _eps_attr(self)
+    return rms_norm(x, w, float(getattr(self, name)), unit_offset=True)
+
+
 _FORWARDS = {
     nn.Linear: _linear_forward,
     nn.LayerNorm: _layer_norm_forward,
@@ -147,7 +159,8 @@ def _eps_attr(m: nn.Module) -> str:
     return ""
 
 
-_OURS = {_conv1d_forward, _linear_forward, _layer_norm_forward, _rms_norm_forward, _conv2d_forward, _bn_forward, _library_rms_forward}
+_OURS = {_conv1d_forward, _linear_forward, _layer_norm_forward, _rms_norm_forward, _conv2d_forward, _bn_forward,
+         _library_rms_forward, _unit_rms_forward}
 
 
 def _swap(m: nn.Module, forward) -> None:
@@ -205,6 +218,49 @@ def _looks_like_rms_norm(m: nn.Module) -> str | None:
     if not err <= tol:
         return f"output differs from x·rsqrt(mean(x²)+eps)·weight (relative error {float(err):.2g})"
     return None
+
+
+def _unit_offset_refusal(m: nn.Module) -> str | None:
+    """Why `m` (shaped like an RMS norm) is not Gemma's: x·rsqrt(mean(x²)+eps)·(1 + weight) in fp32, cast to x's
+    dtype at the end (what rms_norm(unit_offset=True) computes), or None. Probed on copies of `m` with other weights
+    (Gemma starts its weights at 0, where 1 + w cannot be told from 1), in the weight's dtype and in bfloat16, whose
+    output must stay bfloat16 (a norm that returns fp32 there is another op)."""
+    w = m._parameters["weight"]
+    eps = getattr(m, _eps_attr(m))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for dtype in dict.fromkeys((w.dtype, torch.bfloat16)):
+        wt = (0.5 * torch.randn(w.shape, generator=g, device="cpu")).to(device=w.device, dtype=dtype)
+        x = torch.randn(3, w.shape[0], generator=g, device="cpu").to(device=w.device, dtype=dtype)
+        c = copy.copy(m)  # its own parameter dict: the model's module is not touched
+        c.__dict__["_parameters"] = {**m._parameters, "weight": wt}
+        with torch.no_grad():
+            try:
+                got = c.forward(x)
+            except Exception as e:
+                return f"as a (1 + weight) norm: forward refused a {dtype} probe ({type(e).__name__})"
+            h = x.float()
+            want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + wt.float())
+        if not isinstance(got, torch.Tensor) or got.shape != x.shape or got.dtype != dtype:
+            return f"as a (1 + weight) norm: its output for {dtype} input is not {dtype} of the input's shape"
+        err = (got.float() - want).norm() / want.norm().clamp_min(1e-30)
+        if not err <= (1e-5 if dtype == torch.float32 else 2e-2):
+            return f"output differs from x·rsqrt(mean(x²)+eps)·(1 + weight) (relative error {float(err):.2g})"
+    return None
+
+
+def rms_kind(m: Any) -> str | None:
+    """"rms" for a module ops_adv runs as rms_norm, "unit_offset" for a (1 + weight) one (Gemma's), else None."""
+    if not isinstance(m, nn.Module):
+        return None
+    f = getattr(m.__dict__.get("forward"), "func", None)  # converted already: what the probe found
+    if f is _unit_rms_forward:
+        return "unit_offset"
+    if isinstance(m, nn.RMSNorm) or f is _library_rms_forward:
+        return "rms"
+    why = _looks_like_rms_norm(m)
+    if why is None:
+        return "rms"
+    return "unit_offset" if why.startswith("output differs") and _unit_offset_refusal(m) is None else None
 
 
 def _extra_inputs(m: nn.Module) -> list[str]:
@@ -320,11 +376,19 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
             continue  # a container (Conv2dNormActivation, a decoder block): its layers are reported themselves
         if "norm" in type(m).__name__.lower() or _eps_attr(m):
             why = _looks_like_rms_norm(m)
+            unit = _unit_offset_refusal(m) if why is not None and why.startswith("output differs") else why
             if why is None:
                 _swap(m, _library_rms_forward)
                 report.append({"module": name, "type": type(m).__name__, "converted": "yes",
                                "why": "behaves as an RMS norm (structure and probe)"})
+            elif unit is None:
+                _swap(m, _unit_rms_forward)
+                report.append({"module": name, "type": type(m).__name__, "converted": "yes",
+                               "why": "behaves as a (1 + weight) RMS norm, fp32 then cast (Gemma's; structure and probe): "
+                                      "rms_norm(unit_offset=True)"})
             else:
+                if unit != why:
+                    why = f"{why}; {unit}"
                 report.append({"module": name, "type": type(m).__name__, "converted": "no", "why": why})
                 if why.startswith("weights are on the meta device"):
                     meta.append(name)
@@ -377,8 +441,8 @@ _NO_FUSION: dict[type, str] = {}  # classes whose forward has nothing to fuse, a
 
 def _fuse_blocks(model: nn.Module) -> list[dict[str, str]]:
     """Rewrite the forward of blocks with fusable patterns (see `blocks`), on the instance: types stay."""
-    def rms_ok(norm: Any) -> bool:
-        return isinstance(norm, nn.Module) and (isinstance(norm, nn.RMSNorm) or _looks_like_rms_norm(norm) is None)
+    def rms_ok(norm: Any) -> str | None:
+        return rms_kind(norm)
 
     out = []
     for name, m in list(model.named_modules()):
