@@ -3,6 +3,7 @@ runtime op (default, errors, autograd, compile), a real tune through `python -m 
 engines' per-device config files that `opsadv-export --moe-configs` writes."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -121,8 +122,14 @@ def test_alignment_property(T, E, k, bm, seed, skew):
     logits = torch.randn(T, E, generator=g)
     if skew:  # most tokens on the same few experts, others empty
         logits[:, : max(1, E // 3)] += 10.0
-    _, ids = route(logits, top_k)
+    weights, ids = route(logits, top_k, renormalize=not skew)
     _check_alignment(ids, E, bm)
+    if T * top_k <= 1024 and importlib.util.find_spec("triton"):  # the Triton path routes and aligns in one program: the same experts, slots and weights
+        from kernel_space.moe._kernels import route_align_one_program
+
+        w, i, aligned = route_align_one_program(logits, top_k, not skew, E, bm)
+        assert torch.equal(i, ids.int()) and torch.allclose(w, weights, rtol=1e-6, atol=1e-7)
+        assert all(torch.equal(a, b) for a, b in zip(aligned, align(ids, E, bm)))
 
 
 # --------------------------------------------------------------------------- kernels against the reference

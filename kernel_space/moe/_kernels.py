@@ -106,10 +106,47 @@ def _w2_kernel(
 
 
 @triton.jit
+def _route_tokens(logits_ptr, weight_ptr, ids_ptr, T, E, stride_t, stride_e,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_P2: tl.constexpr, ROWS: tl.constexpr):
+    """`problem.route` for every token: softmax in fp32, TOP_K times the largest (the lowest expert of a tie),
+    renormalised; weights and expert ids stored per slot (t * TOP_K + k)."""
+    cols = tl.arange(0, E_P2)
+    for t0 in range(0, T, ROWS):
+        rows = t0 + tl.arange(0, ROWS)
+        live = rows < T
+        src = tl.minimum(rows, T - 1)  # rows past T read the last token and are never stored
+        x = tl.load(logits_ptr + src[:, None] * stride_t + cols[None, :] * stride_e, mask=cols[None, :] < E,
+                    other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        denom = tl.zeros([ROWS], dtype=tl.float32) + 1.0
+        if RENORMALIZE:
+            q = p
+            denom = tl.zeros([ROWS], dtype=tl.float32)
+            for _k in tl.static_range(TOP_K):
+                best = tl.max(q, axis=1)
+                denom += best
+                pick = tl.min(tl.where(q == best[:, None], cols[None, :], E_P2), axis=1)
+                q = tl.where(cols[None, :] == pick[:, None], -1.0, q)
+        q = p
+        for k in tl.static_range(TOP_K):
+            best = tl.max(q, axis=1)
+            pick = tl.min(tl.where(q == best[:, None], cols[None, :], E_P2), axis=1)
+            tl.store(weight_ptr + rows * TOP_K + k, best / denom, mask=live)
+            tl.store(ids_ptr + rows * TOP_K + k, pick, mask=live)
+            q = tl.where(cols[None, :] == pick[:, None], -1.0, q)
+
+
+@triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, slots, padded, blocks, E,
-                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """`problem.align` in one program: counts per expert, padded offsets, each block's expert, then each slot's
-    place (its expert's start + the earlier slots of that expert)."""
+                  logits_ptr, weight_ptr, T, stride_t, stride_e,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr):
+    """`problem.align` in one program (after `problem.route` with ROUTE): counts per expert, padded offsets, each
+    block's expert, then each slot's place (its expert's start + the earlier slots of that expert)."""
+    if ROUTE:
+        _route_tokens(logits_ptr, weight_ptr, ids_ptr, T, E, stride_t, stride_e, TOP_K, RENORMALIZE, E_P2, ROWS)
+        tl.debug_barrier()  # the ids are written before they are read
     experts = tl.arange(0, E_P2)
     lane = tl.arange(0, CHUNK)
     counts = tl.zeros([E_P2], dtype=tl.int32)
@@ -136,23 +173,42 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, slots, padded, blo
         start += tl.sum(hit.to(tl.int32), axis=0)
 
 
-# Up to this many slots (tokens x top_k) one program aligns them (one launch instead of about twenty torch ops);
-# beyond it, the torch ops' parallel sort wins over one program's loop.
-ALIGN_IN_ONE_PROGRAM = 1024
+# Up to this many slots (tokens x top_k) one program routes and aligns them (one launch instead of about 25 torch
+# ops); beyond it, torch's parallel softmax, top-k and sort win over one program's loop.
+ONE_PROGRAM_SLOTS = 1024
+
+
+def _one_program(ids, slots, experts, block_m, logits=None, weights=None, top_k=1, renormalize=True):
+    padded = padded_slots(slots, experts, block_m)
+    blocks = triton.cdiv(padded, block_m)
+    dev = ids.device
+    sorted_slots = torch.empty((padded,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((blocks,), dtype=torch.int32, device=dev)
+    total = torch.empty((1,), dtype=torch.int32, device=dev)
+    e_p2 = triton.next_power_of_2(max(experts, 2))
+    route = logits is not None
+    _align_kernel[(1,)](ids, sorted_slots, block_expert, total, slots, padded, blocks, experts,
+                        logits if route else ids, weights if route else ids, logits.shape[0] if route else 0,
+                        logits.stride(0) if route else 0, logits.stride(1) if route else 0,
+                        E_P2=e_p2, BLOCK_M=block_m, CHUNK=128, ROUTE=route, TOP_K=top_k, RENORMALIZE=renormalize,
+                        ROWS=max(1, 4096 // e_p2), num_warps=8)
+    return sorted_slots, block_expert, total
 
 
 def align_one_program(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`problem.align` as one Triton launch (same results)."""
     flat = ids.reshape(-1)
-    slots = flat.numel()
-    padded = padded_slots(slots, experts, block_m)
-    blocks = triton.cdiv(padded, block_m)
-    sorted_slots = torch.empty((padded,), dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty((blocks,), dtype=torch.int32, device=flat.device)
-    total = torch.empty((1,), dtype=torch.int32, device=flat.device)
-    _align_kernel[(1,)](flat, sorted_slots, block_expert, total, slots, padded, blocks, experts,
-                        E_P2=triton.next_power_of_2(max(experts, 2)), BLOCK_M=block_m, CHUNK=128, num_warps=8)
-    return sorted_slots, block_expert, total
+    return _one_program(flat, flat.numel(), experts, block_m)
+
+
+def route_align_one_program(router_logits: torch.Tensor, top_k: int, renormalize: bool, experts: int,
+                            block_m: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """`problem.route` then `problem.align` as one Triton launch: (weights fp32, ids int32, aligned)."""
+    T = router_logits.shape[0]
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
+    aligned = _one_program(ids, T * top_k, experts, block_m, router_logits, weights, top_k, renormalize)
+    return weights, ids, aligned
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -160,9 +216,12 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
               num_warps: int, num_stages: int) -> torch.Tensor:
     T, K = x.shape
     E, N = w13.shape[0], w2.shape[-1]
-    weights, ids = route(router_logits, top_k, renormalize)
-    aligned = align_one_program if T * top_k <= ALIGN_IN_ONE_PROGRAM else align
-    sorted_slots, block_expert, total = aligned(ids, E, BLOCK_SIZE_M)
+    if T * top_k <= ONE_PROGRAM_SLOTS:
+        weights, _ids, (sorted_slots, block_expert, total) = route_align_one_program(router_logits, top_k, renormalize,
+                                                                                     E, BLOCK_SIZE_M)
+    else:
+        weights, ids = route(router_logits, top_k, renormalize)
+        sorted_slots, block_expert, total = align(ids, E, BLOCK_SIZE_M)
     slots, padded = T * top_k, sorted_slots.numel()
     blocks_m = triton.cdiv(padded, BLOCK_SIZE_M)
     launch = dict(BLOCK_M=BLOCK_SIZE_M, BLOCK_N=BLOCK_SIZE_N, BLOCK_K=BLOCK_SIZE_K, GROUP_M=GROUP_SIZE_M,
