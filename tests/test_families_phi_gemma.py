@@ -3,6 +3,7 @@ add_rms_norm, GeGLU (GeLU-tanh gate) in swiglu, and converted Phi-3 / Gemma mode
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -94,6 +95,12 @@ def test_variants_have_their_own_implementations_and_old_problems_keep_theirs():
         p = spec.parse_problem(dict(zip(spec.problem._fields, plain)))  # a table's problem written before the field
         assert p == spec.problem(*plain) and len(p) == len(plain) + 1
         assert kernel_space.choose_default(op, p, "cpu").name == old
+        # its key (database rows, study names) and dict form (tables, explain) are the ones it had
+        assert p._asdict() == dict(zip(spec.problem._fields, plain))
+        assert kernel_space.problem_key(p) == json.dumps(dict(zip(spec.problem._fields, plain)), sort_keys=True,
+                                                         separators=(",", ":"))
+        v = spec.problem(*variant)
+        assert spec.parse_problem(v._asdict()) == v and len(v._asdict()) == len(variant)
         assert kernel_space.choose_default(op, spec.problem(*variant), "cpu").name == new
         for impl in kernel_space.impls(op):  # each variant implementation refuses the other problems
             if impl.name.endswith(("unit_offset", "geglu")):
@@ -326,3 +333,28 @@ def test_act_on_the_right_and_chunked_gates_keep_hooks_and_fall_back():
     with torch.no_grad():
         torch.testing.assert_close(conv(x), want, rtol=1e-6, atol=1e-6)
     assert seen == ["up", "gate", torch.Size([3, 5, 24])]
+
+
+_CHILD = """
+import pickle, sys, torch
+model, ids = pickle.loads(sys.stdin.buffer.read())
+with torch.no_grad():
+    sys.stdout.buffer.write(pickle.dumps(model(ids).logits))
+"""
+
+
+def test_converted_phi3_and_gemma_pickle_into_another_process():
+    """The fused forwards (chunked gate/up, GeGLU, (1 + weight) add + norm) are rebuilt by name in a fresh process."""
+    import pickle
+    import subprocess
+    import sys
+
+    for family in ("phi3", "gemma"):
+        model = _model(family)
+        conv = ops_adv.convert_model(copy.deepcopy(model))
+        ids = _ids(4)
+        r = subprocess.run([sys.executable, "-c", _CHILD], input=pickle.dumps((conv, ids)), capture_output=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+        with torch.no_grad():
+            torch.testing.assert_close(pickle.loads(r.stdout), model(ids).logits, rtol=1e-5, atol=1e-5)

@@ -16,12 +16,24 @@ from .._registry import define_op
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-class SwigluProblem(NamedTuple):
+class _SwigluProblem(NamedTuple):
     rows: int
     cols: int  # I, the width of the output
     merged: bool = False
     dtype: str = "fp32"
     activation: str = "silu"  # last, defaulted: problems and tables written before it read as SiLU
+
+
+class SwigluProblem(_SwigluProblem):
+    """Its dict form (keys, table rows, explain, study names) leaves `activation` out at its default, so every problem
+    known before the field has the key and form it had."""
+    __slots__ = ()
+
+    def _asdict(self) -> dict:
+        d = super()._asdict()
+        if d["activation"] == "silu":
+            del d["activation"]
+        return d
 
 
 def signature(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> tuple:

@@ -2,7 +2,8 @@
 
 Modules are recognised by what they are and do, not by family name: `nn.Linear`,
 `nn.LayerNorm`, `nn.RMSNorm`, `nn.Conv2d`, and any module shaped like an RMS norm (one
-weight vector, an epsilon, no children) whose output matches the RMS-norm formula on a probe.
+weight vector, an epsilon, no children) whose output matches the RMS-norm formula on a probe, with weight
+or (Gemma's) with (1 + weight) in fp32, cast once (`rms_norm(unit_offset=True)`).
 A converted module keeps its exact type, its parameters, buffers and state_dict keys (its forward
 is replaced on the instance, so libraries matching exact types, pickling, hooks and
 parametrizations see the module they know); its forward calls the op, which runs torch's own
@@ -332,7 +333,8 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
     """Run `model`'s Linear, LayerNorm, RMSNorm (any library's), Conv2d layers and attention through ops-adv.
 
     With `fuse`, decoder blocks whose forward adds a residual before an RMS norm, multiplies a
-    SiLU gate by an up projection, or applies transformers' rotary embedding run the fused ops
+    SiLU or GeLU-tanh gate by an up projection (also the halves of one merged projection, Phi-3's), or
+    applies transformers' rotary embedding run the fused ops
     (`ops_adv.models.blocks`), and eval-mode Conv2d -> BatchNorm2d (-> ReLU) runs as one conv2d_bn_relu.
 
     Converts in place and returns the model, with `tune_for_hardware` attached and
