@@ -358,3 +358,63 @@ def test_converted_phi3_and_gemma_pickle_into_another_process():
         assert r.returncode == 0, r.stderr.decode()[-2000:]
         with torch.no_grad():
             torch.testing.assert_close(pickle.loads(r.stdout), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the tuner
+
+_SHAPES = """\
+rms_norm:
+  - {rows: 8, cols: 96, dtype: fp32, unit_offset: true}
+  - {rows: 8, cols: 96, dtype: fp32}
+add_rms_norm:
+  - {rows: 8, cols: 96, dtype: fp32, unit_offset: true}
+swiglu:
+  - {rows: 5, cols: 48, merged: true, dtype: fp32, activation: gelu_tanh}
+"""
+
+_DISPATCH = """
+import json, sys, ops_adv
+from kernel_space import get_op, relative_error
+out = []
+for w in json.load(open(sys.argv[1]))["winners"]:
+    spec = get_op(w["op"])
+    p = spec.parse_problem(w["problem"])
+    tensors, attrs = spec.make_inputs(p, "cpu", seed=3)
+    why = ops_adv.explain(w["op"], *tensors, **attrs)
+    got = ops_adv.dispatch(w["op"], *tensors, **attrs)
+    first = lambda x: x[0] if isinstance(x, (tuple, list)) else x
+    out.append({"op": w["op"], "problem": w["problem"], "source": why["source"], "impl": why["impl"],
+                "winner": w["impl"], "err": relative_error(first(got), spec.reference(*tensors, **attrs))})
+print(json.dumps(out))
+"""
+
+
+def test_variants_tune_export_and_dispatch(tmp_path):
+    """opsadv-tune takes the variant problems from a shapes file, the export keeps their fields (and leaves them out
+    of the plain problems), and the runtime dispatches the variants' winners with the reference's results."""
+    from conftest import cli, run_cli
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text(_SHAPES)
+    r = cli("opsadv-tune", "--device", "cpu", "--ops", "rms_norm,add_rms_norm,swiglu", "--shapes", str(shapes),
+            "--trials", "2", "--db", url)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "export"
+    r = cli("opsadv-export", "--device", "cpu", "--out", str(out), "--db", url)
+    assert r.returncode == 0, r.stderr
+    table = out / "opsadv-table.json"
+    winners = json.loads(table.read_text())["winners"]
+    impls = {(w["op"], json.dumps(w["problem"], sort_keys=True)): w["impl"] for w in winners}
+    assert impls == {
+        ("rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8, "unit_offset": true}'): "torch_rms_norm_unit_offset",
+        ("rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8}'): "torch_rms_norm",
+        ("add_rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8, "unit_offset": true}'): "torch_add_rms_norm_unit_offset",
+        ("swiglu", '{"activation": "gelu_tanh", "cols": 48, "dtype": "fp32", "merged": true, "rows": 5}'): "torch_geglu",
+    }, impls
+    script = tmp_path / "check.py"
+    script.write_text(_DISPATCH)
+    r = run_cli(str(script), str(table), env={"OPS_ADV_TABLE": str(table)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for row in json.loads(r.stdout):
+        assert row["source"] == "tuned" and row["impl"] == row["winner"] and row["err"] <= 2e-3, row
