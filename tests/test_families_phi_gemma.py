@@ -418,3 +418,16 @@ def test_variants_tune_export_and_dispatch(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     for row in json.loads(r.stdout):
         assert row["source"] == "tuned" and row["impl"] == row["winner"] and row["err"] <= 2e-3, row
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma"])
+def test_converted_family_compiles_with_inductor(family):
+    """Inductor (fullgraph) on the fused forwards: the variants trace as torch's own functions where the table has
+    only vendor kernels, and Inductor fuses them as it fuses the original's."""
+    torch._dynamo.reset()
+    model = _model(family)
+    ids = _ids(5, (1, 8))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(ops_adv.convert_model(copy.deepcopy(model)), fullgraph=True)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
