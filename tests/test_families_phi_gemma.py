@@ -431,3 +431,22 @@ def test_converted_family_compiles_with_inductor(family):
         want = model(ids).logits
         got = torch.compile(ops_adv.convert_model(copy.deepcopy(model)), fullgraph=True)(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op,name", [("rms_norm", "liger_rms_norm_unit_offset"),
+                                     ("add_rms_norm", "liger_add_rms_norm_unit_offset"), ("swiglu", "liger_geglu")])
+def test_liger_variant_candidates_are_registered_with_their_reasons(op, name):
+    from kernel_space._registry import source_of
+
+    impl = get_impl(op, name)
+    assert impl.requires == ("liger_kernel",) and impl.backends == {"cuda"} and source_of(impl) == "library"
+    spec = get_op(op)
+    plain = spec.problem(8, 64, True, "bf16") if op == "swiglu" else spec.problem(8, 64, "bf16")
+    assert impl.why_not(plain, backend="cpu") in ("liger_kernel not available", "no cpu backend")
+    if impl.unavailable is None and kernel_space._liger.missing(*(
+            ("ops.geglu", "LigerGELUMulFunction") if op == "swiglu" else
+            ("ops.rms_norm", "LigerRMSNormFunction") if op == "rms_norm" else
+            ("ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction"))) is None:
+        assert impl.check(plain, {}) is not None  # the plain problems are the plain candidates'
+        assert impl.check(plain._replace(**({"activation": "gelu_tanh"} if op == "swiglu" else {"unit_offset": True})),
+                          {}) is None

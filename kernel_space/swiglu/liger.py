@@ -1,8 +1,9 @@
-"""swiglu's Liger-Kernel candidate: its SiLU-mul kernels, two-tensor and merged gate_up (CUDA only)."""
+"""swiglu's Liger-Kernel candidates: its SiLU-mul kernels, two-tensor and merged gate_up, and its GeLU-mul (GeGLU) (CUDA only)."""
 from __future__ import annotations
 
 from .. import _liger
-from .._liger import liger_attr, register_liger
+from .._liger import liger_attr, needs_attr, register_liger
+from .problem import gelu_tanh_only, split
 
 
 def _liger_check(p, params):
@@ -16,3 +17,10 @@ def swiglu(gate, up=None):
         return liger_attr("ops.swiglu", "LigerFusedGateUpSiLUMulFunction").apply(gate.contiguous())
     # its kernel walks gate, up and out with one row stride: contiguous operands
     return liger_attr("ops.swiglu", "LigerSiLUMulFunction").apply(gate.contiguous(), up.contiguous())
+
+
+@register_liger("swiglu", "liger_geglu", check=needs_attr("ops.geglu", "LigerGELUMulFunction", gelu_tanh_only))
+def geglu(gate, up=None, activation="gelu_tanh"):
+    """Liger's GeGLU (GeLU with the tanh approximation, times up); a merged gate_up is split into contiguous halves."""
+    g, u = split(gate, up)
+    return liger_attr("ops.geglu", "LigerGELUMulFunction").apply(g.contiguous(), u.contiguous())

@@ -69,6 +69,11 @@ def act(g: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"swiglu activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
 
 
+def gelu_tanh_only(p, params) -> str | None:
+    """Check of the GeGLU implementations; the others run SiLU gates."""
+    return None if p.activation == "gelu_tanh" else f"runs GeLU-tanh gates only (this one is {p.activation})"
+
+
 def reference(gate, up=None, activation: str = "silu") -> torch.Tensor:
     g, u = split(gate, up)
     return act(_rowwise.hi(g), activation) * _rowwise.hi(u)

@@ -5,6 +5,7 @@ from typing import Any
 
 from .._common import ITEMSIZE, pow2_at_least
 from .._registry import LazyModule, register_triton
+from .problem import gelu_tanh_only
 
 _kernels = LazyModule(__package__ + "._kernels")
 
@@ -41,9 +42,7 @@ def triton_swiglu(gate, up=None, *, BLOCK_N=1024, ROWS_PER_PROGRAM=1, num_warps=
 
 
 def geglu_check(p: Any, c) -> str | None:
-    if p.activation != "gelu_tanh":
-        return f"runs GeLU-tanh gates only (this one is {p.activation}: triton_swiglu)"
-    return check(p, c)
+    return gelu_tanh_only(p, c) or check(p, c)
 
 
 @register_triton("swiglu", "triton_geglu", space=SPACE, check=geglu_check)
