@@ -450,3 +450,15 @@ def test_liger_variant_candidates_are_registered_with_their_reasons(op, name):
         assert impl.check(plain, {}) is not None  # the plain problems are the plain candidates'
         assert impl.check(plain._replace(**({"activation": "gelu_tanh"} if op == "swiglu" else {"unit_offset": True})),
                           {}) is None
+
+
+def test_tune_for_hardware_covers_every_call_of_a_converted_gemma(tmp_path):
+    """generate()'s problems recorded, tuned and loaded: every call of the rerun, the variants' included, is tuned."""
+    conv = ops_adv.convert_model(_model("gemma"))
+    res = conv.tune_for_hardware(device="cpu", batch_size=[1], seq_len=8, max_new_tokens=4, trials=2,
+                                 db=f"sqlite:///{tmp_path / 'db.sqlite'}", generate_kwargs={"cache_implementation": "static"})
+    after = res["census_after"]
+    assert after["tuned"] > 0 and after["tuned"] == sum(after.values()), after
+    text = str(res["census"])
+    for impl in ("torch_add_rms_norm_unit_offset", "torch_rms_norm_unit_offset", "torch_geglu"):
+        assert impl in text, text
