@@ -62,6 +62,23 @@ def test_unit_offset_triton_matches_gemma_and_the_reference(op, dtype):
             torch.testing.assert_close(out, w0, rtol=2e-6, atol=2e-6 if dtype == "fp32" else 1e-3)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu"])
+def test_variant_kernels_run_the_plain_problems_as_the_plain_kernels(op):
+    """UNIT=False / GELU=False: the variant kernels compute the plain problems as the kernels made before them do."""
+    pytest.importorskip("triton")
+    spec = get_op(op)
+    p = spec.problem(7, 4000, False, "fp16") if op == "swiglu" else spec.problem(7, 4000, "fp16")
+    args, attrs = spec.make_inputs(p, DEVICE, seed=4)
+    assert not attrs.get("unit_offset") and "activation" not in attrs
+    new = get_impl(op, "triton_geglu" if op == "swiglu" else f"triton_{op}_unit_offset")
+    old = get_impl(op, f"triton_{op}")
+    cfg = new.default_params()
+    assert new.check(p, cfg) is None and old.check(p, cfg) is None
+    a, b = new.fn(*args, **attrs, **cfg), old.fn(*args, **attrs, **cfg)
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_geglu_triton_matches_gelu_tanh_times_up(dtype, merged):
@@ -101,10 +118,16 @@ def test_variants_have_their_own_implementations_and_old_problems_keep_theirs():
                                                          separators=(",", ":"))
         v = spec.problem(*variant)
         assert spec.parse_problem(v._asdict()) == v and len(v._asdict()) == len(variant)
-        assert kernel_space.choose_default(op, spec.problem(*variant), "cpu").name == new
-        for impl in kernel_space.impls(op):  # each variant implementation refuses the other problems
-            if impl.name.endswith(("unit_offset", "geglu")):
-                assert impl.check(p, impl.default_params()) is not None
+        assert kernel_space.choose_default(op, v, "cpu").name == new
+        for impl in kernel_space.impls(op):
+            if not impl.name.endswith(("unit_offset", "geglu")):  # the implementations made before refuse the variant
+                assert impl.check(v, impl.default_params()) is not None, impl.name
+        # the variants' Triton kernels offer a plain problem their default configuration alone (its own kernel's to search)
+        triton = get_impl(op, "triton_geglu" if op == "swiglu" else f"triton_{op}_unit_offset")
+        big = spec.problem(64, 4096, *plain[2:])
+        cfgs = [c for c in triton.configs() if triton.check(big, c) is None]
+        assert cfgs == [triton.default_params()]
+        assert len([c for c in triton.configs() if triton.check(big._replace(**dict(zip(spec.problem._fields[-1:], variant[-1:]))), c) is None]) > 1
     with pytest.raises(kernel_space.OpsAdvError, match="activation"):
         get_op("swiglu").parse_problem({"rows": 1, "cols": 2, "activation": "relu"})
 
@@ -408,7 +431,11 @@ def test_variants_tune_export_and_dispatch(tmp_path):
     impls = {(w["op"], json.dumps(w["problem"], sort_keys=True)): w["impl"] for w in winners}
     assert impls == {
         ("rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8, "unit_offset": true}'): "torch_rms_norm_unit_offset",
-        ("rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8}'): "torch_rms_norm",
+        # the plain problem: torch_rms_norm, or the variant's vendor, which runs it with the same F.rms_norm
+        ("rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8}'): impls.get(
+            ("rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8}')) if impls.get(
+            ("rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8}')) in ("torch_rms_norm", "torch_rms_norm_unit_offset")
+        else "torch_rms_norm",
         ("add_rms_norm", '{"cols": 96, "dtype": "fp32", "rows": 8, "unit_offset": true}'): "torch_add_rms_norm_unit_offset",
         ("swiglu", '{"activation": "gelu_tanh", "cols": 48, "dtype": "fp32", "merged": true, "rows": 5}'): "torch_geglu",
     }, impls

@@ -10,7 +10,7 @@ from .._rowwise_jit import row_offsets
 from ..add_layer_norm._kernels import add_norm_looped, add_norm_single, launch  # noqa: F401
 
 
-# The (1 + weight) kernels (Gemma's RMSNorm), kept apart so the plain ones' versions and winners stay as they were.
+# The (1 + weight) kernels (Gemma's RMSNorm; UNIT=False scales by weight), kept apart so the plain ones' versions and winners stay as they were.
 @triton.jit
 def _unit_single_tile(X, R, Y, H, w1, tile, rows, cols, stride_x, stride_r, stride_y, eps,
                       BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
@@ -29,11 +29,13 @@ def _unit_single_tile(X, R, Y, H, w1, tile, rows, cols, stride_x, stride_r, stri
 
 
 @triton.jit
-def unit_add_norm_single(X, R, W, Y, H, rows, cols, stride_x, stride_r, stride_y, eps, BLOCK_N: tl.constexpr,
-                         ROWS: tl.constexpr, PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The whole row in registers; the scale (1 + w) formed in fp32 once per program."""
+def unit_add_norm_single(X, R, W, Y, H, rows, cols, stride_x, stride_r, stride_y, eps, UNIT: tl.constexpr,
+                         BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """The whole row in registers; the scale (1 + w with UNIT, else w) formed in fp32 once per program."""
     c = tl.arange(0, BLOCK_N)
-    w1 = 1.0 + tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+    w1 = tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+    if UNIT:
+        w1 = 1.0 + w1
     pid = tl.program_id(0)
     if PERSISTENT:
         for tile in tl.range(pid, tl.cdiv(rows, ROWS), tl.num_programs(0), num_stages=NUM_STAGES):
@@ -43,8 +45,8 @@ def unit_add_norm_single(X, R, W, Y, H, rows, cols, stride_x, stride_r, stride_y
 
 
 @triton.jit
-def _unit_looped_tile(X, R, W, Y, H, tile, rows, cols, stride_x, stride_r, stride_y, eps, BLOCK_N: tl.constexpr,
-                      ROWS: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _unit_looped_tile(X, R, W, Y, H, tile, rows, cols, stride_x, stride_r, stride_y, eps, UNIT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, NUM_STAGES: tl.constexpr):
     r, rl = row_offsets(tile, rows, ROWS)
     xrow = X + rl[:, None] * stride_x
     rrow = R + rl[:, None] * stride_r
@@ -67,24 +69,27 @@ def _unit_looped_tile(X, R, W, Y, H, tile, rows, cols, stride_x, stride_r, strid
         c = start + tl.arange(0, BLOCK_N)
         cmask = c[None, :] < cols
         hf = tl.load(hrow + c[None, :], mask=rmask & cmask, other=0.0).to(tl.float32)
-        w1 = 1.0 + tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+        w1 = tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+        if UNIT:
+            w1 = 1.0 + w1
         tl.store(Y + orow + c[None, :], (hf * rstd[:, None] * w1[None, :]).to(Y.dtype.element_ty), mask=rmask & cmask)
 
 
 @triton.jit
-def unit_add_norm_looped(X, R, W, Y, H, rows, cols, stride_x, stride_r, stride_y, eps, BLOCK_N: tl.constexpr,
-                         ROWS: tl.constexpr, PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
+def unit_add_norm_looped(X, R, W, Y, H, rows, cols, stride_x, stride_r, stride_y, eps, UNIT: tl.constexpr,
+                         BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Rows longer than BLOCK_N: add, write h and gather statistics over column blocks, then scale h."""
     pid = tl.program_id(0)
     if PERSISTENT:
         for tile in range(pid, tl.cdiv(rows, ROWS), tl.num_programs(0)):
-            _unit_looped_tile(X, R, W, Y, H, tile, rows, cols, stride_x, stride_r, stride_y, eps, BLOCK_N, ROWS,
+            _unit_looped_tile(X, R, W, Y, H, tile, rows, cols, stride_x, stride_r, stride_y, eps, UNIT, BLOCK_N, ROWS,
                               NUM_STAGES)
     else:
-        _unit_looped_tile(X, R, W, Y, H, pid, rows, cols, stride_x, stride_r, stride_y, eps, BLOCK_N, ROWS, NUM_STAGES)
+        _unit_looped_tile(X, R, W, Y, H, pid, rows, cols, stride_x, stride_r, stride_y, eps, UNIT, BLOCK_N, ROWS,
+                          NUM_STAGES)
 
 
-def launch_unit(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, BLOCK_N: int,
+def launch_unit(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit: bool, *, BLOCK_N: int,
                 ROWS_PER_PROGRAM: int, PROGRAMS_PER_SM: int, num_warps: int,
                 num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
     x2, y2, y = rows_view(x, None)
@@ -93,7 +98,7 @@ def launch_unit(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     BLOCK_N = block_n(BLOCK_N, cols)
     kernel = unit_add_norm_single if BLOCK_N >= cols else unit_add_norm_looped
     kernel[grid(rows, ROWS_PER_PROGRAM, PROGRAMS_PER_SM, x.device)](
-        x2, r2, weight.contiguous(), y2, h2, rows, cols, x2.stride(0), r2.stride(0), y2.stride(0), eps,
+        x2, r2, weight.contiguous(), y2, h2, rows, cols, x2.stride(0), r2.stride(0), y2.stride(0), eps, UNIT=bool(unit),
         BLOCK_N=BLOCK_N, ROWS=ROWS_PER_PROGRAM, PERSISTENT=PROGRAMS_PER_SM > 0, NUM_STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from .._liger import liger_attr, needs_attr, register_liger
-from .problem import unit_offset_only
+from .problem import plain_only, unit_offset_only
 
 
 @register_liger("add_rms_norm", "liger_add_rms_norm",
-                check=needs_attr("ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction"))
+                check=plain_only(needs_attr("ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction")))
 def add_rms_norm(x, residual, weight, eps: float = 1e-6):
     y, h = liger_attr("ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction").apply(
         x, residual, weight, eps, 0.0, "llama", False)

@@ -3,7 +3,7 @@ Returns (normed, h); x may have any number of leading dims (rows). The problem, 
 With `unit_offset` the scale is (1 + weight), as Gemma's RMSNorm computes it (see rms_norm)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,6 +55,22 @@ def reference(x, residual, weight, eps: float = 1e-6, unit_offset: bool = False)
 def unit_offset_only(p, params) -> str | None:
     """Check of the (1 + weight) implementations; the others run the plain problems."""
     return None if p.unit_offset else "runs (1 + weight) problems only (unit_offset)"
+
+
+def plain_only(check: Any = None, *, of: Any = None) -> Any:
+    """The check of an implementation written before `unit_offset`: it refuses the (1 + weight) problems, which that
+    implementation does not compute (their own implementations do), and decides every other problem as `check` does
+    (None: runs it). `__wrapped__` names `check`, or for an implementation with no check the implementation `of`
+    itself, which is what its version hashes: nothing that decides or runs for the problems it ran before changed, so
+    winners tuned before keep their version."""
+
+    def refuse(p: Any, params: Any) -> str | None:
+        if p.unit_offset:
+            return "scales by weight, not (1 + weight): the *_unit_offset implementations run this"
+        return None if check is None else check(p, params)
+
+    refuse.__wrapped__ = check if check is not None else of
+    return refuse
 
 
 SPEC = _rowwise.register("add_rms_norm", AddRmsNormProblem, signature=signature, make_inputs=make_inputs,

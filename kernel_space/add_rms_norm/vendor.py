@@ -1,14 +1,15 @@
-"""add_rms_norm vendor kernel: the eager torch composite (what a Llama block runs); Liger's is in `liger`."""
+"""add_rms_norm vendor kernels: the eager torch composite (what a Llama block runs), and the composite of a Gemma block's
+add + (1 + weight) RMSNorm; Liger's are in `liger`."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from .._registry import register_vendor
-from .problem import unit_offset_only
+from .problem import plain_only, unit_offset_only
 
 
-@register_vendor("add_rms_norm", "torch_add_rms_norm")
+# Registered by a call, not a decorator: its check is `plain_only(of=torch_add_rms_norm)`, which names the function.
 def torch_add_rms_norm(x, residual, weight, eps: float = 1e-6):
     h = x + residual
     if hasattr(F, "rms_norm"):
@@ -17,10 +18,11 @@ def torch_add_rms_norm(x, residual, weight, eps: float = 1e-6):
     return (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + eps)).to(h.dtype) * weight, h
 
 
+register_vendor("add_rms_norm", "torch_add_rms_norm", check=plain_only(of=torch_add_rms_norm))(torch_add_rms_norm)
 
-# Its own implementation (torch_add_rms_norm and its winners stay as they were); the default of (1 + weight)
-# problems, refused for the plain ones.
-@register_vendor("add_rms_norm", "torch_add_rms_norm_unit_offset", priority=110, check=unit_offset_only)
+
+# The (1 + weight) problems' vendor (torch_add_rms_norm refuses them); the plain ones stay torch_add_rms_norm's alone.
+@register_vendor("add_rms_norm", "torch_add_rms_norm_unit_offset", priority=95, check=unit_offset_only)
 def torch_add_rms_norm_unit_offset(x, residual, weight, eps: float = 1e-6, unit_offset: bool = True):
     """h = x + residual in x's dtype, then Gemma's RMSNorm of h: fp32 statistics and (1 + weight), cast at the end."""
     h = x + residual

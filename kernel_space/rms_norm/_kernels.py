@@ -1,5 +1,5 @@
 """rms_norm's Triton kernels: layer_norm's kernels with RMS=True (no mean, no bias), and their launch; and the
-(1 + weight) kernels (Gemma's RMSNorm), kept apart so the plain ones' versions and winners stay as they were."""
+(1 + weight) kernels (Gemma's RMSNorm; UNIT=False scales by weight), kept apart so the plain ones' versions and winners stay as they were."""
 # No `from __future__ import annotations`: Triton reads the tl.constexpr annotations.
 import torch
 import triton
@@ -23,11 +23,13 @@ def _unit_single_tile(X, Y, w1, tile, rows, cols, stride_x, stride_y, eps, BLOCK
 
 
 @triton.jit
-def unit_norm_single(X, W, Y, rows, cols, stride_x, stride_y, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                     PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The whole row in registers; the scale (1 + w) is formed in fp32 once per program."""
+def unit_norm_single(X, W, Y, rows, cols, stride_x, stride_y, eps, UNIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROWS: tl.constexpr, PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """The whole row in registers; the scale (1 + w with UNIT, else w) is formed in fp32 once per program."""
     c = tl.arange(0, BLOCK_N)
-    w1 = 1.0 + tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+    w1 = tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+    if UNIT:
+        w1 = 1.0 + w1
     pid = tl.program_id(0)
     if PERSISTENT:
         for tile in tl.range(pid, tl.cdiv(rows, ROWS), tl.num_programs(0), num_stages=NUM_STAGES):
@@ -37,8 +39,8 @@ def unit_norm_single(X, W, Y, rows, cols, stride_x, stride_y, eps, BLOCK_N: tl.c
 
 
 @triton.jit
-def _unit_looped_tile(X, W, Y, tile, rows, cols, stride_x, stride_y, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                      NUM_STAGES: tl.constexpr):
+def _unit_looped_tile(X, W, Y, tile, rows, cols, stride_x, stride_y, eps, UNIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ROWS: tl.constexpr, NUM_STAGES: tl.constexpr):
     r, rl = row_offsets(tile, rows, ROWS)
     xrow = X + rl[:, None] * stride_x
     m2 = tl.zeros([ROWS], dtype=tl.float32)
@@ -53,30 +55,32 @@ def _unit_looped_tile(X, W, Y, tile, rows, cols, stride_x, stride_y, eps, BLOCK_
         c = start + tl.arange(0, BLOCK_N)
         cmask = c[None, :] < cols
         x = tl.load(xrow + c[None, :], mask=cmask, other=0.0).to(tl.float32)
-        w1 = 1.0 + tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+        w1 = tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
+        if UNIT:
+            w1 = 1.0 + w1
         tl.store(yrow + c[None, :], (x * rstd[:, None] * w1[None, :]).to(Y.dtype.element_ty), mask=rmask & cmask)
 
 
 @triton.jit
-def unit_norm_looped(X, W, Y, rows, cols, stride_x, stride_y, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                     PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
+def unit_norm_looped(X, W, Y, rows, cols, stride_x, stride_y, eps, UNIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROWS: tl.constexpr, PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Rows longer than BLOCK_N: statistics over column blocks, then a second pass to scale."""
     pid = tl.program_id(0)
     if PERSISTENT:
         for tile in range(pid, tl.cdiv(rows, ROWS), tl.num_programs(0)):
-            _unit_looped_tile(X, W, Y, tile, rows, cols, stride_x, stride_y, eps, BLOCK_N, ROWS, NUM_STAGES)
+            _unit_looped_tile(X, W, Y, tile, rows, cols, stride_x, stride_y, eps, UNIT, BLOCK_N, ROWS, NUM_STAGES)
     else:
-        _unit_looped_tile(X, W, Y, pid, rows, cols, stride_x, stride_y, eps, BLOCK_N, ROWS, NUM_STAGES)
+        _unit_looped_tile(X, W, Y, pid, rows, cols, stride_x, stride_y, eps, UNIT, BLOCK_N, ROWS, NUM_STAGES)
 
 
-def launch_unit(x: torch.Tensor, weight: torch.Tensor, eps: float, *, BLOCK_N: int, ROWS_PER_PROGRAM: int,
+def launch_unit(x: torch.Tensor, weight: torch.Tensor, eps: float, unit: bool, *, BLOCK_N: int, ROWS_PER_PROGRAM: int,
                 PROGRAMS_PER_SM: int, num_warps: int, num_stages: int) -> torch.Tensor:
     x2, y2, y = rows_view(x, None)
     rows, cols = x2.shape
     BLOCK_N = block_n(BLOCK_N, cols)
     kernel = unit_norm_single if BLOCK_N >= cols else unit_norm_looped
     kernel[grid(rows, ROWS_PER_PROGRAM, PROGRAMS_PER_SM, x.device)](
-        x2, weight.contiguous(), y2, rows, cols, x2.stride(0), y2.stride(0), eps, BLOCK_N=BLOCK_N,
+        x2, weight.contiguous(), y2, rows, cols, x2.stride(0), y2.stride(0), eps, UNIT=bool(unit), BLOCK_N=BLOCK_N,
         ROWS=ROWS_PER_PROGRAM, PERSISTENT=PROGRAMS_PER_SM > 0, NUM_STAGES=num_stages, num_warps=num_warps,
         num_stages=num_stages,
     )

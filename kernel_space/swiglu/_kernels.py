@@ -46,23 +46,25 @@ def launch(gate: torch.Tensor, up: torch.Tensor | None, *, BLOCK_N: int, ROWS_PE
     return y
 
 
-# GeGLU (Gemma's MLP): gelu_tanh(g) * u. Its own kernel and launch, so swiglu_kernel's version (and its winners)
-# stay as they were. gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3).
+# GeGLU (Gemma's MLP): gelu_tanh(g) * u (GELU; SiLU without). Its own kernel and launch, so swiglu_kernel's version (and
+# its winners) stay as they were. gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3).
 @triton.jit
 def geglu_kernel(G, U, Y, rows, cols, stride_g, stride_u, stride_y,
-                 BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                 GELU: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     r, rl = row_offsets(tl.program_id(0), rows, ROWS)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = c[None, :] < cols
     g = tl.load(G + rl[:, None] * stride_g + c[None, :], mask=cmask, other=0.0).to(tl.float32)
     u = tl.load(U + rl[:, None] * stride_u + c[None, :], mask=cmask, other=0.0).to(tl.float32)
-    z2 = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 z
-    y = g * tl.sigmoid(z2) * u
+    if GELU:
+        y = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) * u  # sigmoid(2 z)
+    else:
+        y = g * tl.sigmoid(g) * u
     tl.store(Y + r[:, None].to(tl.int64) * stride_y + c[None, :], y.to(Y.dtype.element_ty),
              mask=(r[:, None] < rows) & cmask)
 
 
-def launch_geglu(gate: torch.Tensor, up: torch.Tensor | None, *, BLOCK_N: int, ROWS_PER_PROGRAM: int,
+def launch_geglu(gate: torch.Tensor, up: torch.Tensor | None, gelu: bool, *, BLOCK_N: int, ROWS_PER_PROGRAM: int,
                  num_warps: int) -> torch.Tensor:
     if up is None:
         gu = _rows(gate)
@@ -78,6 +80,6 @@ def launch_geglu(gate: torch.Tensor, up: torch.Tensor | None, *, BLOCK_N: int, R
     y2 = y.view(rows, cols)
     if rows and cols:
         grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(cols, BLOCK_N))
-        geglu_kernel[grid](g2, u2, y2, rows, cols, g2.stride(0), u2.stride(0), y2.stride(0),
+        geglu_kernel[grid](g2, u2, y2, rows, cols, g2.stride(0), u2.stride(0), y2.stride(0), GELU=bool(gelu),
                            BLOCK_N=BLOCK_N, ROWS=ROWS_PER_PROGRAM, num_warps=num_warps)
     return y

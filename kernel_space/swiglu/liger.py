@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import _liger
 from .._liger import liger_attr, needs_attr, register_liger
-from .problem import gelu_tanh_only, split
+from .problem import gelu_tanh_only, plain_only, split
 
 
 def _liger_check(p, params):
@@ -11,7 +11,7 @@ def _liger_check(p, params):
     return _liger.missing("ops.swiglu", "LigerFusedGateUpSiLUMulFunction" if p.merged else "LigerSiLUMulFunction")
 
 
-@register_liger("swiglu", "liger_swiglu", check=_liger_check)
+@register_liger("swiglu", "liger_swiglu", check=plain_only(_liger_check))
 def swiglu(gate, up=None):
     if up is None:  # one [..., 2I] tensor: gate then up
         return liger_attr("ops.swiglu", "LigerFusedGateUpSiLUMulFunction").apply(gate.contiguous())

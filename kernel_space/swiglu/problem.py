@@ -3,7 +3,7 @@ GeGLU: Gemma's MLP). With `merged`, one [..., 2I] tensor holds gate in its first
 (what a merged gate_up projection produces; vLLM's SiluAndMul). The problem, its inputs and reference."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,22 @@ def act(g: torch.Tensor, activation: str) -> torch.Tensor:
 def gelu_tanh_only(p, params) -> str | None:
     """Check of the GeGLU implementations; the others run SiLU gates."""
     return None if p.activation == "gelu_tanh" else f"runs GeLU-tanh gates only (this one is {p.activation})"
+
+
+def plain_only(check: Any = None, *, of: Any = None) -> Any:
+    """The check of an implementation written before `activation`: it refuses the GeLU-tanh problems, which that
+    implementation does not compute (their own implementations do), and decides every other problem as `check` does
+    (None: runs it). `__wrapped__` names `check`, or for an implementation with no check the implementation `of`
+    itself, which is what its version hashes: nothing that decides or runs for the problems it ran before changed, so
+    winners tuned before keep their version."""
+
+    def refuse(p: Any, params: Any) -> str | None:
+        if p.activation != "silu":
+            return "computes SiLU gates only: the *geglu implementations run GeLU-tanh"
+        return None if check is None else check(p, params)
+
+    refuse.__wrapped__ = check if check is not None else of
+    return refuse
 
 
 def reference(gate, up=None, activation: str = "silu") -> torch.Tensor:

@@ -5,7 +5,7 @@ from typing import Any
 
 from .._common import ITEMSIZE, pow2_at_least
 from .._registry import LazyModule, register_triton
-from .problem import gelu_tanh_only
+from .problem import plain_only
 
 _kernels = LazyModule(__package__ + "._kernels")
 
@@ -35,17 +35,22 @@ def check(p: Any, c) -> str | None:
     return None
 
 
-@register_triton("swiglu", "triton_swiglu", space=SPACE, check=check)
+@register_triton("swiglu", "triton_swiglu", space=SPACE, check=plain_only(check))
 def triton_swiglu(gate, up=None, *, BLOCK_N=1024, ROWS_PER_PROGRAM=1, num_warps=4):
     """Triton silu(gate) * up (silu in fp32, one rounding); `up` None reads a merged [..., 2I] gate_up."""
     return _kernels.launch(gate, up, BLOCK_N=BLOCK_N, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=num_warps)
 
 
 def geglu_check(p: Any, c) -> str | None:
-    return gelu_tanh_only(p, c) or check(p, c)
+    # A SiLU problem is triton_swiglu's to search: this kernel offers it its default configuration alone.
+    if p.activation == "silu" and dict(c) != {k: v[0] for k, v in SPACE.items()}:
+        return "SiLU problems run this kernel in its default configuration only (triton_swiglu searches them)"
+    return check(p, c)
 
 
 @register_triton("swiglu", "triton_geglu", space=SPACE, check=geglu_check)
-def triton_geglu(gate, up=None, activation="gelu_tanh", *, BLOCK_N=1024, ROWS_PER_PROGRAM=1, num_warps=4):
-    """Triton gelu_tanh(gate) * up (in fp32, one rounding); `up` None reads a merged [..., 2I] gate_up."""
-    return _kernels.launch_geglu(gate, up, BLOCK_N=BLOCK_N, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=num_warps)
+def triton_geglu(gate, up=None, activation="silu", *, BLOCK_N=1024, ROWS_PER_PROGRAM=1, num_warps=4):
+    """Triton act(gate) * up, act GeLU-tanh (activation="gelu_tanh") or SiLU, in fp32 with one rounding; `up` None
+    reads a merged [..., 2I] gate_up."""
+    return _kernels.launch_geglu(gate, up, activation == "gelu_tanh", BLOCK_N=BLOCK_N,
+                                 ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=num_warps)

@@ -5,18 +5,20 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from .._registry import register_vendor
-from .problem import act, gelu_tanh_only, split
+from .problem import act, gelu_tanh_only, plain_only, split
 
 
-@register_vendor("swiglu", "torch_swiglu")
+# Registered by a call, not a decorator: its check is `plain_only(of=torch_swiglu)`, which names the function itself.
 def torch_swiglu(gate, up=None):
     g, u = split(gate, up)
     return F.silu(g) * u
 
 
-# Its own implementation, so torch_swiglu (and the SiLU winners of tables made before) stay as they were; ranked
-# above it so a GeLU-tanh problem's default is this one, and refused for SiLU ones, whose default stays torch_swiglu.
-@register_vendor("swiglu", "torch_geglu", priority=110, check=gelu_tanh_only)
+register_vendor("swiglu", "torch_swiglu", check=plain_only(of=torch_swiglu))(torch_swiglu)
+
+
+# The GeLU-tanh problems' vendor (torch_swiglu refuses them); the SiLU ones stay torch_swiglu's alone.
+@register_vendor("swiglu", "torch_geglu", priority=95, check=gelu_tanh_only)
 def torch_geglu(gate, up=None, activation="gelu_tanh"):
     g, u = split(gate, up)
     return act(g, activation) * u
