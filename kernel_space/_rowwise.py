@@ -131,3 +131,38 @@ def grid(rows: int, rows_per_program: int, programs_per_sm: int, device: torch.d
     else:
         sms = 2  # the interpreter: still loop over several tiles per program
     return (min(tiles, programs_per_sm * sms),)
+
+
+# --------------------------------------------------------------------------- variant fields (rms_norm's unit_offset, swiglu's activation)
+
+
+class DefaultsLeftOut:
+    """A problem NamedTuple's base (first, before the NamedTuple) whose dict form (keys, table rows, explain, study
+    names) leaves the `_left_out` fields out at their defaults: every problem known before such a field keeps its form."""
+    __slots__ = ()
+    _left_out: tuple = ()
+
+    def _asdict(self) -> dict:
+        d = super()._asdict()
+        for f in self._left_out:
+            if d[f] == self._field_defaults[f]:
+                del d[f]
+        return d
+
+
+def plain_only_for(is_variant: Callable[[Any], bool], why: str) -> Callable[..., Any]:
+    """`plain_only(check=None, *, of=None)` for an op with a variant field: the check of an implementation written
+    before the field. It refuses the variant problems (`why`), which that implementation does not compute, and decides
+    every other problem as `check` does (None: runs it). `__wrapped__` names `check`, or for an implementation with no
+    check the implementation `of` itself, which is what its version hashes: winners tuned before keep their version."""
+
+    def plain_only(check: Any = None, *, of: Any = None) -> Any:
+        def refuse(p: Any, params: Any) -> str | None:
+            if is_variant(p):
+                return why
+            return None if check is None else check(p, params)
+
+        refuse.__wrapped__ = check if check is not None else of
+        return refuse
+
+    return plain_only

@@ -127,6 +127,14 @@ def _fresh(out: torch.Tensor, inputs: tuple, memory_format: torch.memory_format 
     return out
 
 
+def unit_offset_composite(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """Gemma's RMSNorm in torch: fp32 statistics and scale (1 + weight), cast to x's dtype at the end."""
+    h = x.float()
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
 def _rms_grads(h: torch.Tensor, weight: torch.Tensor, eps: float, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dL/dh and dL/dweight of rms_norm(h) * weight, in fp32 (float64 for float64)."""
     hi = torch.promote_types(h.dtype, torch.float32)

@@ -4,7 +4,7 @@ With `unit_offset` the scale is (1 + weight), computed as Gemma's RMSNorm does: 
 then cast to x's dtype (Llama's casts before the weight)."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -19,16 +19,10 @@ class _RmsNormProblem(NamedTuple):
     unit_offset: bool = False  # last, defaulted: problems and tables written before it read as x * weight
 
 
-class RmsNormProblem(_RmsNormProblem):
-    """Its dict form (keys, table rows, explain, study names) leaves `unit_offset` out at its default, so every problem
-    known before the field has the key and form it had."""
+class RmsNormProblem(_rowwise.DefaultsLeftOut, _RmsNormProblem):
+    """Its dict form leaves `unit_offset` out at its default: every problem known before the field keeps its key."""
     __slots__ = ()
-
-    def _asdict(self) -> dict:
-        d = super()._asdict()
-        if d["unit_offset"] == False:
-            del d["unit_offset"]
-        return d
+    _left_out = ("unit_offset",)
 
 
 def signature(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, unit_offset: bool = False) -> tuple:
@@ -55,20 +49,8 @@ def unit_offset_only(p, params) -> str | None:
     return None if p.unit_offset else "runs (1 + weight) problems only (unit_offset)"
 
 
-def plain_only(check: Any = None, *, of: Any = None) -> Any:
-    """The check of an implementation written before `unit_offset`: it refuses the (1 + weight) problems, which that
-    implementation does not compute (their own implementations do), and decides every other problem as `check` does
-    (None: runs it). `__wrapped__` names `check`, or for an implementation with no check the implementation `of`
-    itself, which is what its version hashes: nothing that decides or runs for the problems it ran before changed, so
-    winners tuned before keep their version."""
-
-    def refuse(p: Any, params: Any) -> str | None:
-        if p.unit_offset:
-            return "scales by weight, not (1 + weight): the *_unit_offset implementations run this"
-        return None if check is None else check(p, params)
-
-    refuse.__wrapped__ = check if check is not None else of
-    return refuse
+# the check of an implementation written before `unit_offset` (see _rowwise.plain_only_for)
+plain_only = _rowwise.plain_only_for(lambda p: p.unit_offset, "scales by weight, not (1 + weight): the *_unit_offset implementations run this")
 
 
 SPEC = _rowwise.register("rms_norm", RmsNormProblem, signature=signature, make_inputs=make_inputs, reference=reference,

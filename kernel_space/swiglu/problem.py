@@ -3,7 +3,7 @@ GeGLU: Gemma's MLP). With `merged`, one [..., 2I] tensor holds gate in its first
 (what a merged gate_up projection produces; vLLM's SiluAndMul). The problem, its inputs and reference."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +24,10 @@ class _SwigluProblem(NamedTuple):
     activation: str = "silu"  # last, defaulted: problems and tables written before it read as SiLU
 
 
-class SwigluProblem(_SwigluProblem):
-    """Its dict form (keys, table rows, explain, study names) leaves `activation` out at its default, so every problem
-    known before the field has the key and form it had."""
+class SwigluProblem(_rowwise.DefaultsLeftOut, _SwigluProblem):
+    """Its dict form leaves `activation` out at its default: every problem known before the field keeps its key."""
     __slots__ = ()
-
-    def _asdict(self) -> dict:
-        d = super()._asdict()
-        if d["activation"] == "silu":
-            del d["activation"]
-        return d
+    _left_out = ("activation",)
 
 
 def signature(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> tuple:
@@ -74,20 +68,8 @@ def gelu_tanh_only(p, params) -> str | None:
     return None if p.activation == "gelu_tanh" else f"runs GeLU-tanh gates only (this one is {p.activation})"
 
 
-def plain_only(check: Any = None, *, of: Any = None) -> Any:
-    """The check of an implementation written before `activation`: it refuses the GeLU-tanh problems, which that
-    implementation does not compute (their own implementations do), and decides every other problem as `check` does
-    (None: runs it). `__wrapped__` names `check`, or for an implementation with no check the implementation `of`
-    itself, which is what its version hashes: nothing that decides or runs for the problems it ran before changed, so
-    winners tuned before keep their version."""
-
-    def refuse(p: Any, params: Any) -> str | None:
-        if p.activation != "silu":
-            return "computes SiLU gates only: the *geglu implementations run GeLU-tanh"
-        return None if check is None else check(p, params)
-
-    refuse.__wrapped__ = check if check is not None else of
-    return refuse
+# the check of an implementation written before `activation` (see _rowwise.plain_only_for)
+plain_only = _rowwise.plain_only_for(lambda p: p.activation != "silu", "computes SiLU gates only: the *geglu implementations run GeLU-tanh")
 
 
 def reference(gate, up=None, activation: str = "silu") -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import lookup, register_function
-from .._op import _compiled_vendor, _autocast, _both, _fresh, _pair_ok, _rms_grads, _rows_ok, _traced, define
+from .._op import _compiled_vendor, _autocast, _both, _fresh, _pair_ok, _rms_grads, _rows_ok, _traced, define, unit_offset_composite
 
 
 def _rms(h: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
@@ -26,9 +26,7 @@ def _rms(h: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> tor
 def _add_rms_composite(x, residual, weight, eps, unit_offset=False):
     h = x + residual
     if unit_offset:
-        f = h.float()
-        eps = torch.finfo(torch.float32).eps if eps is None else eps
-        return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(h.dtype), h
+        return unit_offset_composite(h, weight, eps), h
     return _rms(h, weight, eps), h
 
 

@@ -12,17 +12,10 @@ import torch.nn.functional as F
 from kernel_space._common import DTYPE_CODE
 
 from .._dispatch import cache_for, lookup, register_function
-from .._op import _compiled_vendor, _fresh, _last_dim, _is_compiling, _op_needed, _rms_grads, _rows_ok, _traced, _tracing_state, define
+from .._op import (_compiled_vendor, _fresh, _last_dim, _is_compiling, _op_needed, _rms_grads, _rows_ok, _traced,
+                  _tracing_state, define, unit_offset_composite)
 
 _rms_cache = cache_for("rms_norm")
-
-
-def unit_offset_composite(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
-    """Gemma's RMSNorm in torch: fp32 statistics and scale (1 + weight), cast to x's dtype at the end."""
-    h = x.float()
-    if eps is None:
-        eps = torch.finfo(torch.float32).eps
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: Any = None, weight: torch.Tensor | None = None,
