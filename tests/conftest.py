@@ -42,8 +42,12 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd=None)
     import os
     import subprocess
 
+    import signal
+
     e = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env or {})}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=e, timeout=timeout, cwd=cwd)
+    # SIGINT as a terminal user's process has it: a launcher's `cmd &` leaves it ignored, and a child inherits that
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=e, timeout=timeout, cwd=cwd,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 _ENTRY = {"opsadv-tune": "tune_main", "opsadv-export": "export_main", "opsadv-db": "db_main", "opsadv-report": "report_main"}
