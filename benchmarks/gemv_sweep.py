@@ -40,7 +40,9 @@ SHAPES = [("o_proj", 4096, 4096), ("qkv", 6144, 4096), ("down", 4096, 14336)]  #
 @triton.jit
 def _chunk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, TILES_PER_SPLIT,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                  USE_DOT: tl.constexpr):
+                  USE_DOT: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early under programmatic dependent launch: wait for the kernel before to finish
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,6 +68,8 @@ def _chunk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, TILES_PER_SPL
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL:  # the next kernel may start launching: its programs wait in gdc_wait
+        tl.extra.cuda.gdc_launch_dependents()
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc2, axis=1), (1, BLOCK_N))
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -89,7 +93,7 @@ def _chunk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, TILES_PER_SPL
 _counters: dict = {}
 
 
-def chunk_gemm(x, w, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, USE_DOT):
+def chunk_gemm(x, w, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, USE_DOT, PDL=False):
     """x (M, K) @ w (N, K).T, contiguous K chunk per split."""
     M, K = x.shape
     N = w.shape[0]
@@ -101,8 +105,8 @@ def chunk_gemm(x, w, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, USE_DOT):
     if cnt is None:
         cnt = _counters[x.device] = persistent_zeros(4096, torch.int32, x.device)
     _chunk_kernel[(tiles, SPLIT_K)](x, w, out, ws, cnt, M, N, K, per, BLOCK_M=16 if USE_DOT else 1,
-                                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, USE_DOT=USE_DOT,
-                                   num_warps=num_warps, num_stages=num_stages)
+                                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, USE_DOT=USE_DOT, PDL=PDL,
+                                   num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if PDL else {}))
     return out
 
 
@@ -130,6 +134,45 @@ def configs(N: int, K: int, M: int, quick: bool):
             if M == 1:
                 out.append(("chunk-fma", {**c, "USE_DOT": False}))
     return out
+
+
+def chain(a, dev, rows, bw) -> dict:
+    """8 dependent o_proj-shaped calls (x_{i+1} = x_i @ W_i.T) in one graph: cuBLAS, the best chunk config, and
+    that config launched with programmatic dependent launch (gdc_wait first, gdc_launch_dependents after the
+    loop), so a kernel's launch and prologue overlap the one before. Per call us; the gap to the single-call
+    time is the cost of a kernel boundary."""
+    o = [r for r in rows if r.get("shape") == "o_proj" and "chunk-dot" in r]
+    res: dict = {"chain": {}}
+    for r in o:
+        M, cfg = r["M"], dict(r["chunk-dot"]["config"])
+        n, K = 8, r["K"]
+        copies = max(n, math.ceil(L2_FLUSH_BYTES / (K * K * 2)))
+        ws = [torch.randn(K, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+        x0 = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+
+        def run(f):
+            def go(x):
+                for i in range(n):
+                    x = f(x, ws[i % len(ws)])
+                return x
+            return go
+        timer = Timer(dev, a.reps, a.rounds)
+        cands = {"cublas": timer.build(run(lambda x, w: x @ w.t()), [(x0,)]),
+                 "chunk": timer.build(run(lambda x, w: chunk_gemm(x, w, **cfg)), [(x0,)])}
+        try:
+            ref = run(lambda x, w: chunk_gemm(x, w, **cfg))(x0)
+            got = run(lambda x, w: chunk_gemm(x, w, **cfg, PDL=True))(x0)
+            torch.cuda.synchronize()
+            same = bool(torch.equal(ref, got))
+            cands["chunk+pdl"] = timer.build(run(lambda x, w: chunk_gemm(x, w, **cfg, PDL=True)), [(x0,)])
+        except Exception as e:
+            same = f"{type(e).__name__}: {str(e)[:160]}"
+        t = timer.compare(cands)
+        per = {k: v * 1e3 / n for k, v in t.items()}
+        res["chain"][f"M={M}"] = {"us_per_call": per, "pdl_equal_results": same, "config": cfg}
+        log(f"chain o_proj M={M} x{n}: " + ", ".join(f"{k} {v:.1f} us/call" for k, v in per.items())
+            + f"; pdl results identical: {same}")
+    return res
 
 
 def main(argv=None) -> int:
@@ -207,6 +250,8 @@ def main(argv=None) -> int:
         rows.append(row)
         del ws, sets, cands, keep
         torch.cuda.empty_cache()
+    if cuda and rows:
+        rows.append(chain(a, dev, rows, bw))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
