@@ -37,6 +37,7 @@ STAGES=(  # name | limit s | what it runs
   "faults         | 120 | a kernel out of bounds and a spinning one, recorded by the tuner as errors; the run goes on"
   "sweep          | 280 | exhaustive gemm sweep for benchmarks/search_efficiency.py (replayed on any machine later)"
   "compile-ahead  | 400 | tuning wall time with compile-ahead off and on, an empty Triton cache each"
+  "moe            | 400 | issue 31: benchmarks/moe.py, ops_adv.moe vs transformers' experts implementations and torch.compile (TABLE, or tune first when TUNE_S is set; MOE_ARGS, MOE_COMPILE_MODE)"
 )
 
 usage() {
@@ -238,6 +239,22 @@ print(f"  measured trials {n}, first to last trial stored: {t0} .. {t1}")
 PY
       rm -rf "$D/triton-cache-$cw"
     done ;;
+  moe)
+    local tbl dev lim=390; tbl=$(table_or_none)
+    if [ -n "${TUNE_S:-}" ]; then  # tune the moe problems first (TUNE_S s in all, TRIALS per problem); bench that table
+      needs_tuner moe || return 2
+      dev=$(device_class)
+      TAIL=8 step tune $((TUNE_S + 60)) python3 -m tuner tune --device "$dev" --ops moe --trials "${TRIALS:-8}" \
+        --timeout "$TUNE_S" --progress plain --db "sqlite:///$D/moe-tuning.db"
+      case $? in 124|137) timeout 30 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1 ;; esac  # Ray's workers may hold the GPU
+      step export 60 python3 -m tuner export --device "$dev" --out "$D" --db "sqlite:///$D/moe-tuning.db" \
+        && step check 30 python3 -m ops_adv check "$D/opsadv-table.json" && tbl=$D/opsadv-table.json
+    fi
+    echo "table: ${tbl:-none (ops_adv.moe runs its vendor default)}"
+    [ "$(left)" -lt $((lim + 12)) ] && lim=$(($(left) - 12))
+    # no case starts past the deadline; one running there is cut by lim - 15; moe.md is rewritten after every case
+    TAIL=40 step moe "$lim" python3 benchmarks/moe.py --device cuda ${tbl:+--table "$tbl"} \
+      --compile-mode "${MOE_COMPILE_MODE:-default}" --case-timeout 180 --deadline-s $((lim - 75)) ${MOE_ARGS:-} --out "$D" ;;
   esac
 }
 
