@@ -254,7 +254,7 @@ PY
     [ "$(left)" -lt $((lim + 12)) ] && lim=$(($(left) - 12))
     # no case starts past the deadline; one running there is cut by lim - 15; moe.md is rewritten after every case
     TAIL=40 step moe "$lim" python3 benchmarks/moe.py --device cuda ${tbl:+--table "$tbl"} \
-      --compile-mode "${MOE_COMPILE_MODE:-default}" --case-timeout 180 --deadline-s $((lim - 75)) ${MOE_ARGS:-} --out "$D" ;;
+      --compile-mode "${MOE_COMPILE_MODE:-default}" --case-timeout 180 --deadline-s $((lim > 105 ? lim - 75 : 30)) ${MOE_ARGS:-} --out "$D" ;;
   esac
 }
 
