@@ -214,12 +214,16 @@ MOE = {
 @pytest.mark.parametrize("family", list(MOE))
 def test_moe_experts_keep_transformers_own_implementation(family):
     """The experts' decorator (transformers' experts interface: grouped_mm) was stripped by the swiglu rewrite:
-    the eager per-expert loop ran, torch.export and compile(fullgraph=True) failed, 10-11 graph breaks."""
+    the eager per-expert loop ran, torch.export and compile(fullgraph=True) failed, 10-11 graph breaks.
+    Since issue 31 the sparse block calls ops_adv.moe in the experts' place where the table has a tuned moe kernel
+    (tests/test_moe_convert.py); the experts' own forward, decorator and all, stays transformers'."""
     ref, conv = _pair(MOE[family]())
     experts = [(n, m) for n, m in conv.named_modules() if n.endswith("mlp.experts")]
     assert experts and all("forward" not in m.__dict__ for _, m in experts)
     rows = {r["module"]: r for r in ops_adv.explain_model(conv)}
     assert all(rows[n]["converted"] == "no" and "transformers" in rows[n]["why"] for n, _ in experts), rows
+    assert all(rows[n[: -len(".experts")]]["converted"] == "yes" and "-> moe" in rows[n[: -len(".experts")]]["why"]
+               for n, _ in experts), rows
     ids = _ids()
     with torch.no_grad():
         want = ref(ids).logits

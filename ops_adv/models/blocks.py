@@ -8,7 +8,10 @@ below are rewritten, everything else in the function stays as its library wrote 
 - `self.<act>(a) * b` or `b * self.<act>(a)` where `<act>` is SiLU or GeLU-tanh -> `swiglu(a, b[, activation])`;
 - `a, b = y.chunk(2, dim=-1)` followed by a statement with `b * self.<act>(a)` (Phi-3's merged gate_up_proj)
   -> `swiglu(y)` on the merged [..., 2I] tensor, whose gate-then-up halves are swiglu's layout (nothing copied);
-- a call of the module-level `apply_rotary_pos_emb` with transformers' signature -> ops-adv's rope.
+- a call of the module-level `apply_rotary_pos_emb` with transformers' signature -> ops-adv's rope;
+- `_, w, ids = self.<gate>(x)` then `y = self.<experts>(x, ids, w)` (transformers' sparse MoE blocks: Mixtral,
+  Qwen2-MoE, Qwen3-MoE) where router and experts pass `moe_block`'s checks -> the experts' call decided per call
+  between ops_adv.moe on the router's logits and the experts module itself (`moe_block.moe_call`).
 A block whose forward has none of them, whose source cannot be read, or that closes over
 variables (`super()`), is left as it is, with the reason in `explain_model`.
 """
@@ -26,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import moe_block
 from .merge import _observed, keep_merged, merge, one_gemm, project
 
 _REWRITTEN: dict[tuple[type, str], tuple[Callable, list[str]] | str] = {}
@@ -88,22 +92,71 @@ def _chunk_pair(stmt: ast.stmt) -> tuple[str, str, ast.expr] | None:
     return t[0].id, t[1].id, v.func.value
 
 
+def _moe_pair(a: ast.stmt, b: ast.stmt) -> tuple[str, str, str, tuple[str, str, str]] | None:
+    """`l, w, i = self.<gate>(x)` and `y = self.<experts>(x, i, w)` -> (gate, experts, x, (l, w, i))."""
+    if not (isinstance(a, ast.Assign) and isinstance(b, ast.Assign) and len(a.targets) == 1 and len(b.targets) == 1
+            and isinstance(a.targets[0], ast.Tuple) and isinstance(b.targets[0], ast.Name)
+            and isinstance(a.value, ast.Call) and isinstance(b.value, ast.Call)):
+        return None
+    names = [_name(t) for t in a.targets[0].elts]
+    gate, experts = _self_attr(a.value.func), _self_attr(b.value.func)
+    if len(names) != 3 or None in names or len(set(names)) != 3 or not gate or not experts or gate == experts \
+            or len(a.value.args) != 1 or a.value.keywords or len(b.value.args) != 3 or b.value.keywords:
+        return None
+    x = _name(a.value.args[0])
+    if not x or x in names or [_name(n) for n in b.value.args] != [x, names[2], names[1]]:
+        return None
+    return gate, experts, x, (names[0], names[1], names[2])
+
+
 class _Rewriter(ast.NodeTransformer):
     """`norm_ok(name)` / `silu_ok(name)` / `linear_ok(name)`: whether `self.<name>` is an RMS norm (its kind: "rms"
     or "unit_offset") / a gate activation (its kind: "silu" or "gelu_tanh") / an nn.Linear (checked on the instance,
     or read from the names a pickled forward was built with: then any true value)."""
 
     def __init__(self, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], Any],
-                 linear_ok: Callable[[str], bool]):
-        self.norm_ok, self.silu_ok, self.linear_ok = norm_ok, silu_ok, linear_ok
+                 linear_ok: Callable[[str], bool], moe_ok: Callable[[str, str], Any] | None = None):
+        self.norm_ok, self.silu_ok, self.linear_ok, self.moe_ok = norm_ok, silu_ok, linear_ok, moe_ok
         self.done: list[str] = []
         self.names: set[str] = set()
         self.groups: list[tuple[str, ...]] = []  # Linear layers on one input, run as one gemm (see merge)
         self.checked = False  # a pattern matched in the source, and the instance's modules were checked
+        self.moe: list[str] = []  # experts modules whose call may run ops_adv.moe
 
     def _check(self, ok: Callable[[str], Any], name: str) -> Any:
         self.checked = True
         return ok(name)
+
+    def _fuse_moe(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """`<logits>, <w>, <ids> = self.<gate>(<x>)` then `<y> = self.<experts>(<x>, <ids>, <w>)` ->
+        `<y> = __ops_adv_moe(self.<experts>, <x>, <ids>, <w>, <logits>)` (the router's call as it was)."""
+        if self.moe_ok is None:
+            return body
+        out, i = [], 0
+        while i < len(body):
+            pair = _moe_pair(body[i], body[i + 1]) if i + 1 < len(body) else None
+            if pair is not None:
+                gate, experts, x, (logits, w, ids) = pair
+                spec = self._check(lambda _: self.moe_ok(gate, experts), gate)
+                if spec:
+                    s = ast.Name("self", ast.Load())
+                    call = ast.Call(func=ast.Name("__ops_adv_moe", ast.Load()),
+                                    args=[ast.Attribute(s, experts, ast.Load()), ast.Name(x, ast.Load()),
+                                          ast.Name(ids, ast.Load()), ast.Name(w, ast.Load()),
+                                          ast.Name(logits, ast.Load())], keywords=[])
+                    out += [body[i], ast.copy_location(ast.Assign(targets=body[i + 1].targets, value=call),
+                                                       body[i + 1])]
+                    top_k, renorm = spec if isinstance(spec, tuple) else ("k", "?")
+                    self.done.append(f"{gate}'s router logits + {experts}({x}, {ids}, {w}) -> moe (top_k={top_k}, "
+                                     f"renormalize={renorm}; where the table has a tuned moe kernel, in eval with no "
+                                     f"gradient, else {experts} runs as transformers chose)")
+                    self.names.update((gate, experts))
+                    self.moe.append(experts)
+                    i += 2
+                    continue
+            out.append(body[i])
+            i += 1
+        return out
 
     def _fuse_add_norm(self, body: list[ast.stmt]) -> list[ast.stmt]:
         out, i = [], 0
@@ -272,7 +325,7 @@ class _Rewriter(ast.NodeTransformer):
         for field in ("body", "orelse", "finalbody"):
             stmts = getattr(node, field, None)
             if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
-                setattr(node, field, self._group_projections(self._fuse_add_norm(stmts)))
+                setattr(node, field, self._group_projections(self._fuse_add_norm(self._fuse_moe(stmts))))
         return node
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
@@ -377,7 +430,31 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
     def linear_ok(name: str) -> bool:
         return type(getattr(m, name, None)) is nn.Linear
 
-    new, done, why = _rewrite(type(m), norm_ok, silu_ok, linear_ok)
+    moe_specs: dict[str, tuple[int, bool]] = {}
+    moe_why: dict[str, str] = {}
+
+    def moe_ok(gate: str, experts: str) -> tuple[int, bool] | None:
+        spec, why = moe_block.refusal(m, gate, experts, _act_kind)
+        if spec is None:
+            moe_why[experts] = why
+        else:
+            moe_specs[experts] = spec
+        return spec
+
+    new, done, why = _rewrite(type(m), norm_ok, silu_ok, linear_ok, moe_ok)
+    if new is None and why.startswith("forward is dispatched by transformers'"):
+        why = _experts_why(m, why)
+    if moe_specs:
+        why_not = _install_moe(m, new, moe_specs) if new is not None else f"its block's forward: {why}"
+        if why_not is not None:  # rewritten again without the experts' call
+            moe_why.update(dict.fromkeys(moe_specs, why_not))
+            moe_specs.clear()
+            new, done, why = _rewrite(type(m), norm_ok, silu_ok, linear_ok, lambda g, e: None)
+    for name, reason in moe_why.items():
+        experts = getattr(m, name, None)
+        if isinstance(experts, nn.Module):
+            experts.__dict__.pop(moe_block.SPEC, None)
+            experts.__dict__[moe_block.REFUSED] = reason
     if new is not None:  # the modules checked here: a module put in their place later runs as itself
         for name, kind in norms.items():
             d = getattr(m, name).__dict__
@@ -403,8 +480,37 @@ def rewrite_forward(m: nn.Module, rms_ok: Callable[[nn.Module], bool]) -> tuple[
     return new, done, why
 
 
+def _install_moe(m: nn.Module, new: Callable, specs: dict[str, tuple[int, bool]]) -> str | None:
+    """Mark the experts `new` may run ops_adv.moe for and probe the block; why not (marks undone), or None."""
+    for name, spec in specs.items():
+        experts = getattr(m, name)
+        experts.__dict__[moe_block.SPEC] = spec
+        experts.__dict__.pop(moe_block.REFUSED, None)
+        experts._modules["act_fn"].__dict__["_ops_adv_act"] = "silu"
+    why = moe_block.probe_block(m, new, list(specs))
+    if why is not None:
+        for name in specs:
+            getattr(m, name).__dict__.pop(moe_block.SPEC, None)
+    return why
+
+
+def _experts_why(m: nn.Module, why: str) -> str:
+    """The experts module's row (its forward is transformers' to dispatch): what its block does with it."""
+    d = m.__dict__
+    if moe_block.SPEC in d:
+        top_k, renorm = d[moe_block.SPEC]
+        why += (f"; its block calls ops_adv.moe in its place (top_k={top_k}, renormalize={renorm}) for calls in eval "
+                "with no gradient where the table has a tuned moe kernel (compile: an ops-adv kernel; export: "
+                "always, the table deciding when it runs)")
+    elif moe_block.REFUSED in d:
+        why += f"; its block does not call ops_adv.moe: {d[moe_block.REFUSED]}"
+    # convert_model keeps a why with "not a" in it as its class's, unreported: say it otherwise
+    return why.replace("not an ", "no ").replace("not a ", "no ")
+
+
 def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], Any],
-             linear_ok: Callable[[str], bool]) -> tuple[Callable | None, list[str], str]:
+             linear_ok: Callable[[str], bool],
+             moe_ok: Callable[[str, str], Any] | None = None) -> tuple[Callable | None, list[str], str]:
     chain, fn = _wrappers(cls.forward)
     if not isinstance(fn, types.FunctionType):
         return None, [], "forward is not a Python function"
@@ -427,7 +533,7 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
     if not isinstance(fdef, ast.FunctionDef):
         return None, [], "forward is not a plain function"
     fdef.decorator_list = []
-    rw = _Rewriter(norm_ok, silu_ok, linear_ok)
+    rw = _Rewriter(norm_ok, silu_ok, linear_ok, moe_ok)
     rw.visit(fdef)
     done = rw.done
     rope_fn = _rope_matches(fn.__globals__.get("apply_rotary_pos_emb")) if any("rope" in d for d in done) else None
@@ -499,7 +605,8 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
     glb = _globals_module(fn).__dict__
     glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated, __ops_adv_swiglu_r=gated_r,
-               __ops_adv_chunked=chunked, __ops_adv_gate_up=gate_up, __ops_adv_project=project)
+               __ops_adv_chunked=chunked, __ops_adv_gate_up=gate_up, __ops_adv_project=project,
+               __ops_adv_moe=moe_block.moe_call)
     if rope_fn is not None:
         glb["__ops_adv_apply_rotary_pos_emb"] = rope_fn
     code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")
@@ -570,7 +677,8 @@ class _Fused:
         cls: Any = importlib.import_module(mod)
         for part in qualname.split("."):
             cls = getattr(cls, part)
-        fn, _, why = _rewrite(cls, lambda n: n in names, lambda n: n in names, lambda n: n in names)
+        fn, _, why = _rewrite(cls, lambda n: n in names, lambda n: n in names, lambda n: n in names,
+                              lambda g, e: g in names and e in names)
         if fn is None or _BY_NAME.get(token) is not fn:
             raise AttributeError(f"cannot rebuild ops_adv's fused forward of {qualname}: {why or 'its source changed'}")
         return fn
