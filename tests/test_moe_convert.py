@@ -231,6 +231,40 @@ def test_deepcopy_and_pickle_keep_the_op(calls):
     assert calls[0] == 4
 
 
+_LOAD = """
+import pickle, sys, torch
+from ops_adv.models import moe_block
+n = [0]
+real = moe_block.moe
+moe_block.moe = lambda *a, **k: (n.__setitem__(0, n[0] + 1), real(*a, **k))[1]
+conv = pickle.load(open(sys.argv[1], "rb"))
+ids, want = torch.load(sys.argv[2])
+with torch.no_grad(), moe_block.forced():
+    got = conv(ids).logits
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+print("calls", n[0])
+"""
+
+
+def test_pickled_model_loads_and_runs_the_op_in_a_new_process(tmp_path):
+    """The rewritten block forward is found by name and rebuilt from the class in another process."""
+    import os
+    from pathlib import Path
+
+    from conftest import run_cli
+
+    ref, conv = _pair("mixtral")
+    ids = _ids()
+    with torch.no_grad():
+        torch.save((ids, ref(ids).logits), tmp_path / "ref.pt")
+    (tmp_path / "conv.pkl").write_bytes(pickle.dumps(conv))
+    root = str(Path(__file__).resolve().parents[1])  # the same transformers as this process (5.17 in the low run)
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root, str(Path(__file__).parent)) if p)
+    r = run_cli("-c", _LOAD, str(tmp_path / "conv.pkl"), str(tmp_path / "ref.pt"), env={"PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "calls 2" in r.stdout
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_generate_agrees_greedy(family, calls):
     ref, conv = _pair(family)
