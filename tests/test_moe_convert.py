@@ -362,3 +362,20 @@ def test_experts_that_are_no_silu_gate_are_refused_with_their_reason(calls):
     with torch.no_grad(), moe_block.forced():
         close(conv(ids).logits, ref(ids).logits)
     assert calls[0] == 0
+
+
+def test_a_block_whose_probe_differs_is_left_as_it_was(monkeypatch):
+    """The whole-block probe (op forced) against the block's own forward: an op that computed otherwise (here
+    scaled by 2) leaves the block's forward as transformers wrote it, and says why."""
+    real = moe_block.moe
+    monkeypatch.setattr(moe_block, "moe", lambda *a, **k: 2 * real(*a, **k))
+    ref, conv = _pair("mixtral")
+    rows = _rows(conv)
+    for name, block in _blocks(conv):
+        assert "forward" not in block.__dict__ and name not in rows  # nothing else in Mixtral's block to fuse
+        why = rows[name + ".experts"]["why"]
+        assert "does not call ops_adv.moe" in why and "differs from its own forward" in why, why
+        assert moe_block.SPEC not in block.experts.__dict__
+    ids = _ids()
+    with torch.no_grad(), moe_block.forced():
+        close(conv(ids).logits, ref(ids).logits)

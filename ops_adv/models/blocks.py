@@ -121,7 +121,6 @@ class _Rewriter(ast.NodeTransformer):
         self.names: set[str] = set()
         self.groups: list[tuple[str, ...]] = []  # Linear layers on one input, run as one gemm (see merge)
         self.checked = False  # a pattern matched in the source, and the instance's modules were checked
-        self.moe: list[str] = []  # experts modules whose call may run ops_adv.moe
 
     def _check(self, ok: Callable[[str], Any], name: str) -> Any:
         self.checked = True
@@ -151,7 +150,6 @@ class _Rewriter(ast.NodeTransformer):
                                      f"renormalize={renorm}; where the table has a tuned moe kernel, in eval with no "
                                      f"gradient, else {experts} runs as transformers chose)")
                     self.names.update((gate, experts))
-                    self.moe.append(experts)
                     i += 2
                     continue
             out.append(body[i])
@@ -490,7 +488,9 @@ def _install_moe(m: nn.Module, new: Callable, specs: dict[str, tuple[int, bool]]
     why = moe_block.probe_block(m, new, list(specs))
     if why is not None:
         for name in specs:
-            getattr(m, name).__dict__.pop(moe_block.SPEC, None)
+            experts = getattr(m, name)
+            experts.__dict__.pop(moe_block.SPEC, None)
+            experts._modules["act_fn"].__dict__.pop("_ops_adv_act", None)
     return why
 
 
