@@ -40,11 +40,11 @@ def sqlite_url(tmp_path):
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd=None):
     """Run a command line with the tests' interpreter; returns CompletedProcess."""
     import os
+    import signal
     import subprocess
 
-    import signal
-
-    e = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env or {})}
+    path = [str(ROOT), str(ROOT / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    e = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **(env or {})}
     # SIGINT as a terminal user's process has it: a launcher's `cmd &` leaves it ignored, and a child inherits that
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=e, timeout=timeout, cwd=cwd,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

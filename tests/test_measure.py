@@ -282,6 +282,15 @@ def test_first_call_reaches_classification_through_bench():
     assert not first["context_lost"] and not later["context_lost"]
 
 
+def test_torchs_hint_about_device_side_assertions_is_not_a_fault():
+    """Every CUDA error torch raises ends with its TORCH_USE_CUDA_DSA hint; only a triggered assert is a fault. The
+    hint read as one made check_graph raise a vendor's failed capture, and the vendor lost its timing (H100)."""
+    hint = ("CUDA error: operation failed\nCUDA kernel errors might be asynchronously reported at some other API call"
+            "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+    assert classify(RuntimeError(hint)) == ("runtime_error", False)
+    assert classify(RuntimeError("CUDA error: device-side assert triggered\n" + hint.split("\n", 1)[1])) == ("runtime_error", True)
+
+
 def test_an_invalidated_capture_is_named_and_replaces_the_worker():
     """The H200's words (torch 2.11) for a capture a host sync invalidated, read by whichever CUDA call came next:
     wherever such an error reaches the gate, the record says it was a capture failure and the worker is replaced."""

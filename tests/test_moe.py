@@ -38,8 +38,8 @@ def _cfg(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_
                 num_warps=num_warps, num_stages=num_stages)
 
 
-def _inputs(p: MoeProblem, seed=3, unused_expert=None):
-    (x, logits, w13, w2), attrs = SPEC.make_inputs(p, DEVICE, seed=seed)
+def _inputs(p: MoeProblem, seed=3, unused_expert=None, device=DEVICE):
+    (x, logits, w13, w2), attrs = SPEC.make_inputs(p, device, seed=seed)
     assert tuple(SPEC.signature(x, logits, w13, w2, **attrs)) == tuple(p)
     if unused_expert is not None:  # no token picks it
         logits[:, unused_expert] = -30.0
@@ -86,8 +86,8 @@ def _check_alignment(ids: torch.Tensor, E: int, bm: int) -> None:
         from kernel_space.moe._kernels import align_one_program
     except ImportError:  # no triton
         return
-    one = align_one_program(ids, E, bm)  # the Triton kernel for small slot counts: the same three tensors
-    assert all(torch.equal(a, b) for a, b in zip(one, (sorted_slots, block_expert, total)))
+    one = align_one_program(ids.to(DEVICE), E, bm)  # the Triton kernel for small slot counts: the same three tensors
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(one, (sorted_slots, block_expert, total)))
 
 
 @pytest.mark.parametrize("T,E,top_k,bm", [(1, 8, 2, 16), (1, 4, 4, 16), (5, 4, 4, 16), (33, 6, 2, 16), (70, 3, 1, 64)])
@@ -127,7 +127,8 @@ def test_alignment_property(T, E, k, bm, seed, skew):
     if T * top_k <= 1024 and importlib.util.find_spec("triton"):  # the Triton path routes and aligns in one program: the same experts, slots and weights
         from kernel_space.moe._kernels import route_align_one_program
 
-        w, i, aligned = route_align_one_program(logits, top_k, not skew, E, bm)
+        w, i, aligned = (t.cpu() if isinstance(t, torch.Tensor) else tuple(a.cpu() for a in t)
+                         for t in route_align_one_program(logits.to(DEVICE), top_k, not skew, E, bm))
         assert torch.equal(i, ids.int()) and torch.allclose(w, weights, rtol=1e-6, atol=1e-7)
         assert all(torch.equal(a, b) for a, b in zip(aligned, align(ids, E, bm)))
 
@@ -282,7 +283,7 @@ def _write_table(path, p: MoeProblem, impl: str, params: dict) -> None:
 
 def test_a_tuned_winner_runs_and_mixed_calls_still_work(tmp_path):
     p = MoeProblem(6, 4, 2, 32, 48)
-    (x, logits, w13, w2), attrs = _inputs(p)
+    (x, logits, w13, w2), attrs = _inputs(p, device="cpu")  # the table's device class; fp32 _grouped_mm runs there
     ref = SPEC.reference(x, logits, w13, w2, **attrs)
     table = tmp_path / "t.json"
     _write_table(table, p, "torch_grouped_mm", {})

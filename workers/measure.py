@@ -21,7 +21,10 @@ from .timing import interleaved, time_fn
 OK, PRUNED, COMPILE_ERROR, OUT_OF_RESOURCES, WRONG_RESULT, RUNTIME_ERROR, TIMEOUT, CRASHED = (
     "ok", "pruned", "compile_error", "out_of_resources", "wrong_result", "runtime_error", "timeout", "crashed",
 )
-_FATAL_CUDA = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address")
+# "device-side assert triggered", not "device-side assert": torch ends every CUDA error with "Compile with
+# `TORCH_USE_CUDA_DSA` to enable device-side assertions", so a vendor's failed capture ("operation failed") read as
+# a fault and lost its timing (H100, torch 2.11)
+_FATAL_CUDA = ("illegal memory access", "unspecified launch failure", "device-side assert triggered", "misaligned address")
 # CUDA's words for a capture that a forbidden call invalidated; later calls of the process read the same error
 _CAPTURE_CUDA = ("during capture", "when stream is capturing", "cudaErrorStreamCapture", "stream capture")
 INPUT_SEED = 1234  # the inputs trials are checked and timed on

@@ -30,7 +30,7 @@ def _w13_kernel(
     N, K, slots, padded,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = _tile(tl.program_id(0), tl.cdiv(padded, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -57,8 +57,8 @@ def _w13_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
             g = tl.load(g_ptrs, mask=offs_k[:, None] < left, other=0.0)
             u = tl.load(u_ptrs, mask=offs_k[:, None] < left, other=0.0)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -73,7 +73,7 @@ def _w2_kernel(
     N, K, slots, padded,
     stride_am, stride_an, stride_we, stride_wk, stride_wn, stride_om, stride_ok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # out[slot, :K] = a[slot, :N] @ w2[e].T * weight[slot]: the output's columns run over K, the reduction over N
     pid_m, pid_n = _tile(tl.program_id(0), tl.cdiv(padded, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
@@ -97,7 +97,7 @@ def _w2_kernel(
             left = N - r * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_r[None, :] < left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_r[:, None] < left, other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_an
         b_ptrs += BLOCK_K * stride_wn
     acc = acc * tl.load(weight_ptr + row, mask=valid, other=0.0)[:, None]
@@ -224,8 +224,9 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         sorted_slots, block_expert, total = align(ids, E, BLOCK_SIZE_M)
     slots, padded = T * top_k, sorted_slots.numel()
     blocks_m = triton.cdiv(padded, BLOCK_SIZE_M)
+    # fp32: two chained tf32 gemms measured 2.4e-3 relative error on an H100, past fp32's 2e-3 tolerance
     launch = dict(BLOCK_M=BLOCK_SIZE_M, BLOCK_N=BLOCK_SIZE_N, BLOCK_K=BLOCK_SIZE_K, GROUP_M=GROUP_SIZE_M,
-                  num_warps=num_warps, num_stages=num_stages)
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
     inter = torch.empty((slots, N), dtype=x.dtype, device=x.device)
     _w13_kernel[(blocks_m * triton.cdiv(N, BLOCK_SIZE_N),)](
         x, w13, inter, sorted_slots, block_expert, total, N, K, slots, padded,
