@@ -227,3 +227,75 @@ def test_decode_in_a_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         assert relative_error(out, ref) <= spec.tolerance("bf16")
+
+
+# --------------------------------------------------------------------------- the one-row gemv kernel
+
+GEMV = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 2, "num_stages": 2}
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32", "bf16"])  # no tl.dot: the interpreter's bf16 is right here
+@pytest.mark.parametrize("N, K, trans_b, params", [
+    (33, 100, True, {"SPLIT_K": 4}),  # K: 3 whole tiles + a partial one, N odd (a wrapped edge tile)
+    (64, 96, True, {}),  # one split
+    (47, 70, True, {"SPLIT_K": 3, "BLOCK_K": 16}),  # the partial K tile lands on the last split
+    (50, 64, False, {"SPLIT_K": 2}),  # b (K, N) contiguous, not a weight's transpose
+])
+def test_gemv_matches_reference_and_leaves_counters_zero(dtype, N, K, trans_b, params, poisoned_workspace):
+    impl = get_impl("gemm", "triton_gemv_decode")
+    problem, config = GemmProblem(1, N, K, dtype, False, trans_b), {**GEMV, **params}
+    assert impl.check(problem, config) is None, impl.check(problem, config)
+    spec = get_op("gemm")
+    (a, b), _ = spec.make_inputs(problem, DEVICE, seed=0)
+    ref = spec.reference(a, b)
+    for _ in range(3):  # a counter left non-zero by one call would skip the next call's reduction
+        out = torch.full(ref.shape, float("nan"), dtype=a.dtype, device=DEVICE)
+        assert impl.fn(a, b, **config, out=out) is out
+        assert relative_error(out, ref) <= spec.tolerance(dtype), (problem, config)
+    for buf in poisoned_workspace._zeroed.values():
+        assert float(buf.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemv_linear_epilogue(activation, poisoned_workspace):
+    impl = get_impl("linear", "triton_gemv_decode")
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = (torch.randn(s, generator=g).to(DEVICE) for s in ((1, 48), (40, 48), (40,)))
+    for split in (1, 2):
+        got = impl.fn(x, w, bias, activation, **{**GEMV, "SPLIT_K": split})
+        assert relative_error(got, activate(F.linear(x.double(), w.double(), bias.double()), activation)) <= 2e-3
+
+
+def test_gemv_check_refuses_with_a_reason():
+    impl = get_impl("gemm", "triton_gemv_decode")
+    full = impl.default_params()
+    assert "one row" in impl.check(GemmProblem(2, 4096, 4096, "bf16", False, True), full)
+    assert "registers" in impl.check(GemmProblem(1, 4096, 4096, "bf16", False, True), {**full, "BLOCK_N": 128, "BLOCK_K": 512})
+    assert "SPLIT_K 16" in impl.check(GemmProblem(1, 64, 256, "fp32", False, True), {**full, "BLOCK_K": 256, "SPLIT_K": 16})
+    for n, k in ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096)):  # Llama-3-8B's layer at B=1
+        assert impl.check(GemmProblem(1, n, k, "bf16", False, True), full) is None
+    assert "fill the GPU" in impl.check(GemmProblem(1, 128256, 4096, "bf16", False, True), full)  # lm_head: one split
+    assert impl.check(GemmProblem(1, 128256, 4096, "bf16", False, True), {**full, "SPLIT_K": 1}) is None
+    with pytest.raises(ValueError, match="one row"):
+        impl.fn(torch.randn(2, 8, device=DEVICE), torch.randn(8, 16, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_in_a_cuda_graph():
+    impl = get_impl("gemm", "triton_gemv_decode")
+    spec = get_op("gemm")
+    problem = GemmProblem(1, 4096, 4096, "bf16", False, True)
+    (a, b), _ = spec.make_inputs(problem, "cuda", seed=0)
+    f = impl.bind(impl.default_params())
+    f(a, b)  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f(a, b)
+    ref = spec.reference(a, b)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, ref) <= spec.tolerance("bf16")

@@ -173,6 +173,61 @@ def triton_splitk_decode(
                                   bias=bias, activation=activation)
 
 
+GEMV_SPACE: dict[str, tuple] = {
+    # First values: the best of a sweep at M=1 on an H100 for 4096x4096 and 4096x14336 weights (qkv's 6144x4096
+    # liked BLOCK_K 128): four splits of 32 rows.
+    "BLOCK_N": (32, 16, 64, 128),
+    "BLOCK_K": (256, 128, 512),
+    "SPLIT_K": (4, 1, 2, 8, 16),
+    "num_warps": (4, 2, 8),
+    "num_stages": (4, 2, 3, 5),
+}
+GEMV_MAX_REGS = 128  # fp32 accumulator registers per thread
+
+
+def check_gemv(p: GemmProblem, c: Mapping[str, Any]) -> str | None:
+    """Why gemv configuration `c` is not worth compiling for `p`, or None."""
+    if p.dtype not in ITEMSIZE:
+        return f"dtype {p.dtype} is not supported"
+    if p.M != 1:
+        return f"the gemv kernel is for one row (M=1), not M={p.M}"
+    bn, bk, split = c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
+    if bn > pow2_at_least(p.N):
+        return f"BLOCK_N {bn} is larger than N={p.N} needs"
+    if bk > pow2_at_least(p.K):
+        return f"BLOCK_K {bk} is larger than K={p.K} needs"
+    k_tiles = _cdiv(p.K, bk)
+    if split > k_tiles:
+        return f"SPLIT_K {split} leaves some splits without a K tile (K={p.K} is {k_tiles} tiles of {bk})"
+    tiles = _cdiv(p.N, bn)
+    if split > 1 and tiles >= DECODE_SPLIT_TILES:
+        return f"{tiles} N tiles fill the GPU without SPLIT_K {split}, which would only add partial sums"
+    regs = bn * bk // (32 * c["num_warps"])
+    if regs > GEMV_MAX_REGS:
+        return f"a {bn}x{bk} fp32 accumulator is {regs} registers per thread with {c['num_warps']} warps (at most {GEMV_MAX_REGS})"
+    return None
+
+
+@register_triton("gemm", "triton_gemv_decode", space=GEMV_SPACE, check=check_gemv, priority=41)
+def triton_gemv_decode(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    BLOCK_N: int = 32,
+    BLOCK_K: int = 256,
+    SPLIT_K: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> torch.Tensor:
+    """C = A @ B for one row of A (decode at batch 1) in one launch: multiply-adds, no MMA; split-K partials
+    reduced by the last program of each N tile, then bias and activation in fp32."""
+    return _kernels.gemv_decode(a, b, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, out=out, bias=bias,
+                                activation=activation)
+
+
 TMA_SPACE: dict[str, tuple] = {
     # Persistent (one program per SM) with TMA tile loads: for large problems on sm_90, where
     # the launch-per-tile kernel loses to cuBLAS on wave quantisation and address arithmetic.

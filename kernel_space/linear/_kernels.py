@@ -2,6 +2,6 @@
 the activation in fp32 before the cast."""
 from __future__ import annotations
 
-from ..gemm._kernels import ACTIVATIONS, gemm, gemm_tma, splitk_decode
+from ..gemm._kernels import ACTIVATIONS, gemm, gemm_tma, gemv_decode, splitk_decode
 
-__all__ = ["ACTIVATIONS", "gemm", "gemm_tma", "splitk_decode"]
+__all__ = ["ACTIVATIONS", "gemm", "gemm_tma", "gemv_decode", "splitk_decode"]

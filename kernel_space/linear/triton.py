@@ -31,6 +31,12 @@ def check_decode(p: LinearProblem, c: Mapping[str, Any]) -> str | None:
     return gemm_triton.check_decode(_as_gemm(p), c)
 
 
+def check_gemv(p: LinearProblem, c: Mapping[str, Any]) -> str | None:
+    if p.activation not in ACTIVATIONS:
+        return f"activation {p.activation} is not one of {', '.join(ACTIVATIONS)}"
+    return gemm_triton.check_gemv(_as_gemm(p), c)
+
+
 @register_triton("linear", "triton", space=gemm_triton.SPACE, check=check)
 def triton_linear(
     x: torch.Tensor,
@@ -77,6 +83,25 @@ def triton_linear_tma(
     """activation(x @ weight.T + bias) through the persistent TMA gemm (sm_90+)."""
     return _kernels.gemm_tma(x, weight.t(), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN,
                              out=out, bias=bias, activation=activation)
+
+
+@register_triton("linear", "triton_gemv_decode", space=gemm_triton.GEMV_SPACE, check=check_gemv, priority=41)
+def triton_linear_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    *,
+    BLOCK_N: int = 32,
+    BLOCK_K: int = 256,
+    SPLIT_K: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """activation(x @ weight.T + bias) for one row of x, through the gemv kernel."""
+    return _kernels.gemv_decode(x, weight.t(), BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, out=out,
+                                bias=bias, activation=activation)
 
 
 @register_triton("linear", "triton_splitk_decode", space=gemm_triton.DECODE_SPACE, check=check_decode, priority=40)
