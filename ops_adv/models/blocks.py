@@ -504,8 +504,7 @@ def _experts_why(m: nn.Module, why: str) -> str:
                 "always, the table deciding when it runs)")
     elif moe_block.REFUSED in d:
         why += f"; its block does not call ops_adv.moe: {d[moe_block.REFUSED]}"
-    # convert_model keeps a why with "not a" in it as its class's, unreported: say it otherwise
-    return why.replace("not an ", "no ").replace("not a ", "no ")
+    return why
 
 
 def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], Any],

@@ -455,7 +455,7 @@ def _fuse_blocks(model: nn.Module) -> list[dict[str, str]]:
         new, done, why = blocks.rewrite_forward(m, rms_ok)
         if new is None:
             if why.startswith("no residual-add") and "this instance" not in why or "not readable" in why \
-                    or "not a" in why:
+                    or why.startswith("forward is not a"):
                 _NO_FUSION[cls] = why  # a property of the class's code, not of this instance
             elif why.startswith("forward is dispatched by transformers'"):
                 out.append({"module": name, "type": cls.__name__, "converted": "no", "why": why})
