@@ -66,7 +66,7 @@ def refusal(block: nn.Module, gate_name: str, experts_name: str,
     ops_adv.moe computes exactly (structure, then a probe of the router); else (None, why)."""
     gate, experts = getattr(block, gate_name, None), getattr(block, experts_name, None)
     if not isinstance(gate, nn.Module) or not isinstance(experts, nn.Module):
-        return None, f"{gate_name} or {experts_name} is no module"
+        return None, f"{gate_name} or {experts_name} is not a module"
     p = experts._parameters
     w13, w2 = p.get("gate_up_proj"), p.get("down_proj")
     if set(p) != {"gate_up_proj", "down_proj"} or not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
@@ -83,7 +83,7 @@ def refusal(block: nn.Module, gate_name: str, experts_name: str,
         return None, f"{experts_name} is declared {', '.join(f'{k}={not flags[k]}' for k in odd)} (ops_adv.moe: " \
                      "concatenated gate and up rows, untransposed, no bias, no post-expert norm)"
     if set(experts._modules) - {"act_fn"} or act_kind(experts._modules.get("act_fn")) != "silu":
-        return None, f"{experts_name}'s act_fn is no SiLU on a probe, or it has other submodules"
+        return None, f"{experts_name}'s act_fn is not SiLU on a probe, or it has other submodules"
     if w13.device.type == "meta":
         return None, "expert weights are on the meta device: convert after loading"
     if not _dtype_ok(w13.dtype) or w2.dtype is not w13.dtype:
@@ -109,7 +109,7 @@ def refusal(block: nn.Module, gate_name: str, experts_name: str,
         w, i = route(logits, top_k, renorm)
         if torch.equal(i, ids.to(i.dtype)) and torch.allclose(w, weights.float(), rtol=tol, atol=tol):
             return (top_k, renorm), ""
-    return None, (f"{gate_name}'s top-{top_k} choice is no softmax top-k of its logits, renormalised or not "
+    return None, (f"{gate_name}'s top-{top_k} choice is not a softmax top-k of its logits, renormalised or not "
                   "(a router with a bias, groups or another score): ops_adv.moe routes by softmax top-k")
 
 
