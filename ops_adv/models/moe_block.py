@@ -36,9 +36,10 @@ import torch
 import torch.nn as nn
 
 from kernel_space._common import DTYPE_CODE
+from kernel_space.moe.problem import route
 
 from .. import _dispatch
-from ..ops.moe import moe
+from ..ops.moe import moe, problem_of
 from .._op import _autocast, _functorch, _is_compiling, _is_exporting, _tracing_state, _vendor_only
 from .merge import _observed
 
@@ -49,15 +50,6 @@ _force = [False]  # the block probe runs the op whatever the table holds
 
 def _dtype_ok(dt: torch.dtype) -> bool:
     return dt in DTYPE_CODE
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ops_adv.moe routes by: softmax in fp32 over the experts, top_k, renormalised or not."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    w, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w, ids
 
 
 def refusal(block: nn.Module, gate_name: str, experts_name: str,
@@ -193,7 +185,7 @@ def moe_call(experts: Any, x: Any, top_k_index: Any, top_k_weights: Any, router_
             return experts(x, top_k_index, top_k_weights)  # transformers' graph (grouped_mm), as the original's
         return moe(x, router_logits, w13, w2, top_k, renormalize=renormalize)
     if not _force[0]:
-        problem = (x.shape[0], w13.shape[0], top_k, w2.shape[-1], x.shape[1], DTYPE_CODE[x.dtype], "silu", renormalize)
+        problem = problem_of(x, w13, w2, top_k, renormalize)
         if _dispatch.runs_default("moe", problem, x.device):  # nothing tuned: transformers' choice, counted a miss
             return _dispatch.stand_in("moe", problem, x.device, experts)(x, top_k_index, top_k_weights)
     return moe(x, router_logits, w13, w2, top_k, renormalize=renormalize)

@@ -65,8 +65,13 @@ def moe(hidden_states: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
     return _moe(x, logits, w13, w2, top_k, renormalize).view(hidden_states.shape)
 
 
+def problem_of(x, w13, w2, top_k: int, renormalize: bool) -> tuple:
+    """The moe problem of a [T, K] call (the table's key)."""
+    return (x.shape[0], w13.shape[0], top_k, w2.shape[-1], x.shape[1], DTYPE_CODE[x.dtype], "silu", renormalize)
+
+
 def _moe(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-    key = ((x.shape[0], w13.shape[0], top_k, w2.shape[-1], x.shape[1], DTYPE_CODE[x.dtype], "silu", renormalize), x.device)
+    key = (problem_of(x, w13, w2, top_k, renormalize), x.device)
     fn = _moe_cache.get(key)
     if fn is None:
         fn = lookup("moe", *key)
