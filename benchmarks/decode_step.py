@@ -74,7 +74,9 @@ PARTS = ("bandwidth", "layer", "generate")
 LAYER_VARIANTS = ("eager", "converted", "eager+graph", "converted+graph", "compile-ro", "compile-ro(converted)",
                   "compile-cg(converted)")
 # compile-cg: torch.compile's "cudagraphs" backend (AOT graphs captured in CUDA graphs, no Inductor)
-GEN_VARIANTS = ("original", "converted", "compile", "compile(converted)", "compile-cg(converted)")
+GEN_VARIANTS = ("original", "converted", "compile", "compile(converted)", "compile-dynamo(converted)", "compile-cg(converted)")
+# compile(converted): generate's compile path on a converted model, which runs ops-adv's decode graphs
+# (ops_adv.models.graphs); compile-dynamo(converted): the same with OPS_ADV_GENERATE_GRAPHS=0 (torch.compile)
 MASKS = ("ones", "left-pad")
 TARGET_SHARE, TARGET_VS_RO, TARGET_GEN = 0.75, 1.5, 1.5  # issue 21
 TARGET_GEN_B1 = 1.3  # issue 28: generate tok/s at B=1 (1.5x at B=8)
@@ -197,6 +199,8 @@ def job_generate(job: dict, args: Any, progress: Any) -> dict:
     m = build(args, args.layers, dev, S + new + 64)
     m.generation_config.eos_token_id = None  # every row makes `new` tokens
     m.generation_config.pad_token_id = 0
+    if "dynamo" in v:
+        os.environ["OPS_ADV_GENERATE_GRAPHS"] = "0"  # this job's own process
     if "converted" in v:
         m = ops_adv.convert_model(m)
     kw: dict[str, Any] = dict(cache_implementation="static", max_new_tokens=new, do_sample=False, pad_token_id=0)
@@ -244,7 +248,12 @@ def job_generate(job: dict, args: Any, progress: Any) -> dict:
             tf, t1 = statistics.median(full), statistics.median(one)
             res["masks"][name] = {"s": tf, "tokens_per_s": B * new / tf, "ms_per_step": (tf - t1) / (new - 1) * 1e3,
                                   "first_token_s": t1, "warmup_s": warm, "tokens": toks}
-        res["compiled"] = hasattr(m, "_compiled_call")  # generate really compiled the forward (or did not)
+        runner = m.__dict__.get("_ops_adv_decode_graphs")
+        res["decode_graphs"] = None if runner is None else {
+            "graphs": sum(e.graph is not None for e in runner.entries.values()),
+            "failed": [e.failed for e in runner.entries.values() if e.failed]}
+        # generate really compiled the forward, or ran ops-adv's decode graphs (or did neither)
+        res["compiled"] = hasattr(m, "_compiled_call") or bool(res["decode_graphs"] and res["decode_graphs"]["graphs"])
         from torch._dynamo.utils import counters  # graphs compiled (1 per decode shape; more is a recompile) and breaks
 
         res["dynamo_graphs"] = counters["stats"].get("unique_graphs", 0)
@@ -377,7 +386,7 @@ def summarise(rows: list[dict]) -> tuple[list[dict], float | None]:
                 f = floor["masks"][mk]["agree"]
                 targets.append({"target": "greedy tokens agree with the original's at least as compile's own do",
                                 "case": f"{case} {mk}", "variant": v, "value": d["agree"], "floor": f, "pass": d["agree"] >= f})
-        if v in ("converted", "compile(converted)", "compile-cg(converted)"):
+        if v in ("converted", "compile(converted)", "compile-dynamo(converted)", "compile-cg(converted)"):
             want = TARGET_GEN_B1 if r.get("B") == 1 else TARGET_GEN
             for mk, d in r["masks"].items():
                 if d.get("vs_compile") is not None:
@@ -426,6 +435,10 @@ def markdown(info: dict, rows: list[dict]) -> str:
             agree = f"{d['agree']:.1f} ({d['prefix']}) / {len(d['tokens'][0])}" if "agree" in d else "-"
             extra = "" if r.get("compiled") == r["variant"].startswith("compile") else \
                 f"generate {'compiled' if r.get('compiled') else 'did not compile'} the forward"
+            if r.get("decode_graphs"):
+                dg = r["decode_graphs"]
+                extra = (extra + "; " if extra else "") + f"ops-adv decode graphs {dg['graphs']}" + \
+                    (f", capture failed: {dg['failed'][0]}" if dg["failed"] else "")
             if r.get("compiled"):
                 extra = (extra + "; " if extra else "") + f"{r.get('dynamo_graphs')} graphs, {r.get('graph_breaks')} breaks, " \
                     f"TTFT {d.get('first_token_s', 0) * 1e3:.0f} ms" + (f" ({d['ttft_vs_compile']:.2f}x)" if d.get("ttft_vs_compile") else "")

@@ -24,6 +24,18 @@ _wrappers: list[Callable[..., Callable[..., Any]]] = []  # open profilers / NaN 
 # Resolved problems kept at most (all ops together): past it the caches and decisions start again, so a
 # stream of new shapes costs memory no more than this (a resolution is a few µs; a hit never checks).
 MAX_PROBLEMS = 4096
+_epoch = [0]  # bumped whenever resolved calls may resolve differently (a table loaded, caches emptied, wrappers)
+
+
+def epoch() -> int:
+    """A number that changes whenever a call may resolve to another implementation than before (CUDA graphs
+    captured from resolved calls are stale then)."""
+    return _epoch[0]
+
+
+def observed() -> bool:
+    """Whether every call must reach dispatch now: a record(), census() or profiler block is open."""
+    return bool(_recording or _wrappers)
 
 
 # (device class, op) pairs whose table holds a winner that is not a vendor kernel. Under torch.compile an
@@ -136,6 +148,7 @@ def load_table(spec: str | None = None, *, any_device: bool = False) -> dict[str
         _indexes.clear()
         for c in _caches.values():
             c.clear()
+        _epoch[0] += 1
     return tuned
 
 
@@ -278,6 +291,7 @@ def forget_resolved() -> None:
         _decisions.clear()
         for c in _caches.values():
             c.clear()
+        _epoch[0] += 1
 
 
 def bounded(cache: dict) -> dict:
@@ -323,6 +337,7 @@ def add_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
         _wrappers.append(wrap)
         for c in _caches.values():
             c.clear()
+        _epoch[0] += 1
 
 
 def remove_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
@@ -330,6 +345,7 @@ def remove_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
         _wrappers[:] = [w for w in _wrappers if w != wrap]  # ==: bound methods are equal, not identical
         for c in _caches.values():
             c.clear()
+        _epoch[0] += 1
 
 
 def start_recording() -> dict[tuple[str, tuple], None]:
@@ -339,6 +355,7 @@ def start_recording() -> dict[tuple[str, tuple], None]:
         _recording.append(seen)
         for c in _caches.values():
             c.clear()
+        _epoch[0] += 1
     return seen
 
 

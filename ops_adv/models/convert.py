@@ -24,7 +24,7 @@ from ..ops.conv2d import conv2d
 from ..ops.layer_norm import layer_norm
 from ..ops.linear import linear
 from ..ops.rms_norm import rms_norm
-from . import blocks, conv_bn, hf
+from . import blocks, conv_bn, graphs, hf
 
 
 # A converted module keeps its exact type (libraries such as quantize_dynamic match exact types): its
@@ -408,6 +408,7 @@ def convert_model(model: nn.Module, *, attention: bool = True, fuse: bool = True
             model.__dict__["_ops_adv_attention_rows"] = (len(report), len(rows))
         report += rows
         report += hf.use_compile_config(model)
+        report += graphs.install(model)
     model._ops_adv_report = report
     model.tune_for_hardware = functools.partial(_tune_method, model)  # pickles, unlike a bound method
     for m in model.modules():
