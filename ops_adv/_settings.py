@@ -58,6 +58,12 @@ def compile_keeps_operators() -> bool:
     return os.environ.get("OPS_ADV_COMPILE_OPERATORS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def generate_graphs() -> bool:
+    """OPS_ADV_GENERATE_GRAPHS=0: generate() on a converted model compiles its decode steps with torch.compile, as
+    transformers does, instead of ops-adv's CUDA graphs (ops_adv.models.graphs)."""
+    return os.environ.get("OPS_ADV_GENERATE_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 DB_RETRY_DEFAULT = 60.0
 
 

@@ -21,7 +21,6 @@ transformers' own torch.compile path.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 import weakref
 from typing import Any, Callable
@@ -29,15 +28,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .. import _dispatch
+from .. import _dispatch, _settings
 
 MAX_TOKENS = 16  # input tokens per row beyond which a call is a prefill (compute-bound): not graphed
 MAX_GRAPHS = 16  # graphs kept per model (each decode shape x cache); the oldest goes first
 _GRAPH_BACKENDS = ("inductor", "cudagraphs")
-
-
-def enabled() -> bool:
-    return os.environ.get("OPS_ADV_GENERATE_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _tensors_of(cache: Any) -> list[tuple[Any, str, torch.Tensor]]:
@@ -293,7 +288,7 @@ def _graphable(model: nn.Module) -> bool:
 def get_compiled_call(model: nn.Module, compile_config: Any = None) -> Callable[..., Any]:
     """transformers' `get_compiled_call` for a converted model (installed on the instance by convert_model)."""
     backend = getattr(compile_config, "backend", "inductor") if compile_config is not None else "inductor"
-    if not enabled() or backend not in _GRAPH_BACKENDS or _dispatch.observed() or not _graphable(model):
+    if not _settings.generate_graphs() or backend not in _GRAPH_BACKENDS or _dispatch.observed() or not _graphable(model):
         return _original(model, compile_config)
     runner = model.__dict__.get("_ops_adv_decode_graphs")
     if not isinstance(runner, DecodeGraphs):
