@@ -229,7 +229,8 @@ def _state(model: nn.Module) -> tuple:
 
 def _cuda_capture(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    # thread_local: a Triton compile thread or another thread's CUDA work cannot invalidate this capture
+    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return g, out
 
