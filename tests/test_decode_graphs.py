@@ -133,6 +133,9 @@ def test_decode_steps_replay_graphs_and_match_eager(cpu_graphs):
     assert torch.equal(got2, want) and e.graph.replays == 4 + 5
     ids1, mask1 = _inputs(B=1, S=5, seed=3)
     assert torch.equal(_gen(m, ids1, mask1), _gen(m, ids1, mask1, compiled=False))
+    assert len(runner.storages) == 2 and len(runner.entries) == 2  # a second layout: its own cache and graph
+    graphs.release(m)
+    assert not runner.storages and not runner.entries
 
 
 def test_outputs_are_fresh_tensors(cpu_graphs):

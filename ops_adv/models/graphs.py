@@ -15,7 +15,8 @@ replaced parameter drops them), the dispatch tables (a table loaded since drops 
 write (a cache freed or re-allocated drops its graphs). Between two generate() calls nothing is checked:
 whoever calls the returned function directly must call `get_compiled_call` again after changing weights.
 
-OPS_ADV_GENERATE_GRAPHS=0 (or a compile config for a backend other than Inductor or cudagraphs) gives
+The graphs keep the last static cache of each layout (its memory) while the model lives, so that the next
+generate() can take it over; `release(model)` gives it back. OPS_ADV_GENERATE_GRAPHS=0 (or a compile config for a backend other than Inductor or cudagraphs) gives
 transformers' own torch.compile path.
 """
 from __future__ import annotations
@@ -303,6 +304,13 @@ def get_compiled_call(model: nn.Module, compile_config: Any = None) -> Callable[
         return compiled[0](*args, **kwargs)
 
     return functools.partial(runner, model, fallback)
+
+
+def release(model: nn.Module) -> None:
+    """Drop `model`'s decode graphs and the cache tensors they hold (the next generate() captures again)."""
+    runner = model.__dict__.get("_ops_adv_decode_graphs")
+    if isinstance(runner, DecodeGraphs):
+        runner.drop()
 
 
 def install(model: nn.Module) -> list[dict[str, str]]:
