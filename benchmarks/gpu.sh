@@ -28,6 +28,8 @@ STAGES=(  # name | limit s | what it runs
   "tune           | 450 | tune the six ops' default problems, export, check, dispatch vs vendor through the table, report"
   "e2e-tune       | 330 | record the e2e models' problems (E2E_TUNE_CASES), tune them (TUNE_S), export \$OUT/e2e-tune/opsadv-table.json"
   "generate-tune  | 420 | issue 28: model.tune_for_hardware(max_new_tokens=...) on Llama-3-8B dims (GEN_BATCHES, GEN_PROMPTS, TUNE_S, TRIALS), census before/after, export \$OUT/generate-tune/opsadv-table.json"
+  "generate-graphs | 570 | issue 28: tests/test_decode_graphs.py on the GPU, generate-tune (GEN_PROMPTS default 512,4096, TUNE_S 90, TRIALS 5), then generate at prompt 512 with that table: compile, compile(converted), compile-graphs(converted)"
+  "generate-graphs-2 | 570 | issue 28: the same variants at prompt 4096 with TABLE (default: \$OUT/generate-tune's), then prompt 512 with no table"
   "borrowed       | 200 | issue 28: benchmarks/borrowed_decode.py (decode_attention winners fitted to other batches and caches against a sweep's best)"
   "profile        | 400 | benchmarks/step_profile.py (PROFILE_ARGS) with TABLE: the CUDA kernels of one decode step per variant (ours, compiled, graphed)"
   "e2e            | 560 | benchmarks/e2e_model.py (E2E_CASES, E2E_ARGS) with TABLE: each case in its own process"
@@ -180,6 +182,21 @@ stage() {
     timeout 30 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1  # Ray's workers may hold the GPU
     step export 60 python3 -m tuner export --device "$dev" --out "$D" --db "sqlite:///$db" \
       && step check 30 python3 -m ops_adv check "$D/opsadv-table.json" ;;
+  generate-graphs|generate-graphs-2)
+    local D0=$D v="compile,compile(converted),compile-graphs(converted)" g="--parts generate --gen-batches 1,8 --gen-warmup 1 --gen-reps 3"
+    if [ "$1" = generate-graphs ]; then
+      TSIG=INT step graphs-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py
+      D=$OUT/generate-tune; mkdir -p "$D"
+      GEN_PROMPTS=${GEN_PROMPTS:-512,4096} TUNE_S=${TUNE_S:-90} TRIALS=${TRIALS:-5} stage generate-tune
+      D=$OUT/generate-p512; mkdir -p "$D"
+      DECODE_STEP_ARGS="$g --gen-variants $v --prompt-tokens 512" stage decode-step
+    else
+      D=$OUT/generate-p4096; mkdir -p "$D"
+      DECODE_STEP_LIMIT=$(($(left) / 2 + 10)) DECODE_STEP_ARGS="$g --gen-variants $v --prompt-tokens 4096" stage decode-step
+      D=$OUT/generate-p512-no-table; mkdir -p "$D"
+      TABLE= OUT=$D DECODE_STEP_ARGS="$g --gen-variants compile,compile(converted),compile-graphs(converted) --prompt-tokens 512" stage decode-step
+    fi
+    D=$D0 ;;
   profile)
     local tbl; tbl=$(table_or_none)
     echo "table: ${tbl:-none (every op runs its default)}"
@@ -194,11 +211,11 @@ stage() {
       --deadline-s $(($(left) - 35)) ${E2E_ARGS:-} --out "$D"
     sed -n '/^## Targets/,/^## Impl/p' "$D/e2e.md" 2> /dev/null ;;
   decode-step)
-    local tbl lim=500; tbl=$(table_or_none)
+    local tbl lim=${DECODE_STEP_LIMIT:-500}; tbl=$(table_or_none)
     echo "table: ${tbl:-none (every op runs its default)}"
     [ "$(left)" -lt $((lim + 12)) ] && lim=$(($(left) - 12))
     # the run starts no job past its deadline and cuts the one running there; 30 s to write the report and plot
-    TAIL=45 step decode-step 500 python3 benchmarks/decode_step.py --device cuda ${tbl:+--table "$tbl"} \
+    TAIL=45 step decode-step "$lim" python3 benchmarks/decode_step.py --device cuda ${tbl:+--table "$tbl"} \
       --deadline-s $((lim - 30)) ${DECODE_STEP_ARGS:-} --out "$D" ;;
   recompiles)
     local tbl; tbl=$(table_or_none)

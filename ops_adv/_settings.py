@@ -59,9 +59,9 @@ def compile_keeps_operators() -> bool:
 
 
 def generate_graphs() -> bool:
-    """OPS_ADV_GENERATE_GRAPHS=0: generate() on a converted model compiles its decode steps with torch.compile, as
-    transformers does, instead of ops-adv's CUDA graphs (ops_adv.models.graphs)."""
-    return os.environ.get("OPS_ADV_GENERATE_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """OPS_ADV_GENERATE_GRAPHS=1: generate() on a converted model runs its decode steps in ops-adv's CUDA graphs
+    (ops_adv.models.graphs) instead of transformers' torch.compile. Off by default until it has run on a GPU."""
+    return os.environ.get("OPS_ADV_GENERATE_GRAPHS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 DB_RETRY_DEFAULT = 60.0

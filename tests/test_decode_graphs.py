@@ -77,6 +77,7 @@ def cpu_graphs(monkeypatch):
         originals.append(cfg)
         return model.__call__
 
+    monkeypatch.setenv("OPS_ADV_GENERATE_GRAPHS", "1")
     monkeypatch.setattr(graphs, "DecodeGraphs", Runner)
     monkeypatch.setattr(graphs, "_graphable", lambda model: True)
     monkeypatch.setattr(graphs, "_original", original)
@@ -252,9 +253,20 @@ def test_a_step_that_cannot_be_captured_runs_transformers_path(cpu_graphs):
     assert e.failed.startswith("RuntimeError")
 
 
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("OPS_ADV_GENERATE_GRAPHS", raising=False)
+    monkeypatch.setattr(graphs, "_graphable", lambda model: True)
+    m = ops_adv.convert_model(_tiny())
+    seen = []
+    monkeypatch.setattr(graphs, "_original", lambda model, cfg: seen.append(cfg) or model.__call__)
+    assert m.get_compiled_call(None) == m.__call__ and seen == [None]
+    assert "_ops_adv_decode_graphs" not in m.__dict__
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("fullgraph", [False, True])
-def test_cuda_graphs_in_generate(fullgraph):
+def test_cuda_graphs_in_generate(fullgraph, monkeypatch):
+    monkeypatch.setenv("OPS_ADV_GENERATE_GRAPHS", "1")
     from transformers import CompileConfig
 
     m = ops_adv.convert_model(_tiny().to("cuda"))  # fp32: greedy tokens comparable exactly

@@ -4,19 +4,21 @@ On CUDA with a static cache, transformers compiles the decode forward of generat
 torch.compile, reduce-overhead's CUDA graphs). For a converted model that path cost more host time per step
 than the graphs it replays: on the H100 (B=1, ctx 1024, 2 layers) compile(converted) took 1 329 µs a step for
 784 µs of kernels, our own capture of the same converted step 952 µs. A converted model's `get_compiled_call`
-therefore returns a `DecodeGraphs` call: each decode-shaped call (at most MAX_TOKENS new tokens, a static
+can return a `DecodeGraphs` call instead: each decode-shaped call (at most MAX_TOKENS new tokens, a static
 cache, no gradient, eval mode, nothing recording or profiling) is run eagerly once, then captured in a CUDA
 graph and replayed; every other call goes to what transformers would have run. No Dynamo: no guards,
 recompiles or graph breaks.
 
 A graph holds addresses. Before each generate() (each `get_compiled_call`) the graphs are checked against the
 model's parameters and buffers (same storage, same version: a `load_state_dict`, an in-place edit or a
-replaced parameter drops them), the dispatch tables (a table loaded since drops them) and the caches they
-write (a cache freed or re-allocated drops its graphs). Between two generate() calls nothing is checked:
-whoever calls the returned function directly must call `get_compiled_call` again after changing weights.
+replaced parameter drops them) and the dispatch tables (a table loaded since drops them). generate() makes a
+new static cache per call: one of a layout seen before takes over the graphed cache's tensors (see _Storage).
+Between two generate() calls nothing is checked: whoever calls the returned function directly must call
+`get_compiled_call` again after changing weights. The graphs keep the last static cache of each layout (its
+memory) while the model lives; `release(model)` gives it back.
 
-The graphs keep the last static cache of each layout (its memory) while the model lives, so that the next
-generate() can take it over; `release(model)` gives it back. OPS_ADV_GENERATE_GRAPHS=0 (or a compile config for a backend other than Inductor or cudagraphs) gives
+Opt-in for now (OPS_ADV_GENERATE_GRAPHS=1): it has run on the CPU with a stand-in capture only, not yet on a
+GPU. Unset, or with a compile config for a backend other than Inductor or cudagraphs, generate() takes
 transformers' own torch.compile path.
 """
 from __future__ import annotations
@@ -320,5 +322,5 @@ def install(model: nn.Module) -> list[dict[str, str]]:
         return []
     model.__dict__["get_compiled_call"] = functools.partial(get_compiled_call, model)
     return [{"module": "", "type": "generate() decode steps", "converted": "yes",
-             "why": "CUDA graphs of the converted forward per decode shape (transformers' compile path for prefill, "
-                    "gradients, other backends; OPS_ADV_GENERATE_GRAPHS=0 turns it off)"}]
+             "why": "with OPS_ADV_GENERATE_GRAPHS=1: CUDA graphs of the converted forward per decode shape "
+                    "(transformers' compile path for prefill, gradients, other backends, and without it)"}]
