@@ -44,6 +44,41 @@ def observed() -> bool:
 _ours: set[tuple[str, str]] = set()
 
 
+# device class -> whether converted modules run their own forward there (see passthrough); emptied with the caches
+_passthrough: dict[str, bool] = {}
+
+
+def passthrough(device) -> bool:
+    """Whether a converted module may run the original module's forward on `device`: the loaded table holds
+    no winner at all for its device class (so every call would run a vendor kernel, torch's own function),
+    no ops-adv implementation outranks the vendor kernels as a default, and nothing watches the calls
+    (record(), census(), profilers). Then conversion costs nothing where nothing is tuned: the dispatch
+    that would choose the vendor kernel (3-9 µs a call on the CPU) is skipped. Misses are not counted
+    then; `ops_adv.record()` collects a model's problems."""
+    if _recording or _wrappers:
+        return False
+    dc = _classes.get(device)
+    p = _passthrough.get(dc) if dc is not None else None
+    if p is None:
+        if _tuned is None:
+            load_table()
+        dc = _device_class(device)
+        p = _passthrough[dc] = not _tuned.get(dc) and _vendor_defaults(backend_of(device))
+    return p
+
+
+def _vendor_defaults(backend: str) -> bool:
+    """Whether, on `backend`, every op's default is a vendor kernel (no other implementation outranks them)."""
+    from kernel_space._registry import _IMPLS
+
+    for found in _IMPLS.values():
+        here = [i for i in found.values() if backend in i.backends]
+        vendor = [i.priority for i in here if i.vendor]
+        if not vendor or any(not i.vendor and i.priority >= min(vendor) for i in here):
+            return False
+    return True
+
+
 def vendor_only(op: str, device) -> bool:
     """Whether every call of `op` on `device` runs a vendor kernel or torch's own (no ops-adv kernel tuned)."""
     if _tuned is None:
@@ -148,6 +183,7 @@ def load_table(spec: str | None = None, *, any_device: bool = False) -> dict[str
         _indexes.clear()
         for c in _caches.values():
             c.clear()
+        _passthrough.clear()
         _epoch[0] += 1
     return tuned
 
@@ -291,6 +327,7 @@ def forget_resolved() -> None:
         _decisions.clear()
         for c in _caches.values():
             c.clear()
+        _passthrough.clear()
         _epoch[0] += 1
 
 
@@ -337,6 +374,7 @@ def add_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
         _wrappers.append(wrap)
         for c in _caches.values():
             c.clear()
+        _passthrough.clear()
         _epoch[0] += 1
 
 
@@ -345,6 +383,7 @@ def remove_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
         _wrappers[:] = [w for w in _wrappers if w != wrap]  # ==: bound methods are equal, not identical
         for c in _caches.values():
             c.clear()
+        _passthrough.clear()
         _epoch[0] += 1
 
 
@@ -355,6 +394,7 @@ def start_recording() -> dict[tuple[str, tuple], None]:
         _recording.append(seen)
         for c in _caches.values():
             c.clear()
+        _passthrough.clear()
         _epoch[0] += 1
     return seen
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import json
 import inspect
 import textwrap
@@ -30,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import moe_block
-from .merge import _observed, keep_merged, merge, one_gemm, project
+from .merge import _observed, keep_merged, merge, one_gemm, project, runs_own
 
 _REWRITTEN: dict[tuple[type, str], tuple[Callable, list[str]] | str] = {}
 
@@ -552,7 +553,7 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
 
     def add_norm(h, residual, norm):
         d = norm.__dict__
-        if not d.get("_ops_adv_rms_ok") or _observed(norm):  # replaced, hooked or re-forwarded: the module runs
+        if not d.get("_ops_adv_rms_ok") or _observed(norm) or runs_own(h):  # replaced, hooked or re-forwarded: the module runs
             h = residual + h
             return norm(h), h
         name = _EPS_NAME.get(type(norm))
@@ -576,21 +577,21 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
         return swiglu(y, up) if kind == "silu" else swiglu(y, up, activation=kind)
 
     def gated(act, gate, up):
-        kind = kind_of(act)
+        kind = None if runs_own(gate) else kind_of(act)
         return act(gate) * up if kind is None else glu(gate, up, kind)
 
     def gated_r(act, up, gate):  # up * act(gate): the product commutes exactly
-        kind = kind_of(act)
+        kind = None if runs_own(gate) else kind_of(act)
         return up * act(gate) if kind is None else glu(gate, up, kind)
 
     def chunked(act, y, gate, up, right):  # gate, up = y.chunk(2, dim=-1): y is swiglu's merged layout
-        kind = kind_of(act)
+        kind = None if runs_own(y) else kind_of(act)
         if kind is None or not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[-1] % 2:
             return up * act(gate) if right else act(gate) * up
         return glu(y, None, kind)
 
     def gate_up(act, gate_proj, up_proj, x, right=False):
-        kind = kind_of(act)
+        kind = None if runs_own(x) else kind_of(act)
         if kind is not None and getattr(gate_proj, "out_features", None) == getattr(up_proj, "out_features", 0):
             y = one_gemm(x, (gate_proj, up_proj))
             if y is not None:
@@ -603,11 +604,19 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
     # The rewritten forward's globals are a real module in sys.modules: Dynamo (torch 2.11) reaches an
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
     glb = _globals_module(fn).__dict__
-    glb.update(__ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated, __ops_adv_swiglu_r=gated_r,
+    own = _own_guard(fdef, token)
+    if own is not None:  # nothing tuned for the device (runs_own): the class's own forward, at the cost of one check
+        glb[own] = fn
+    glb.update(__ops_adv_runs_own=runs_own, __ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated, __ops_adv_swiglu_r=gated_r,
                __ops_adv_chunked=chunked, __ops_adv_gate_up=gate_up, __ops_adv_project=project,
                __ops_adv_moe=moe_block.moe_call)
     if rope_fn is not None:
-        glb["__ops_adv_apply_rotary_pos_emb"] = rope_fn
+        own_rope = fn.__globals__["apply_rotary_pos_emb"]
+
+        def rope(q, k, *args, **kwargs):  # the model's own where nothing is tuned (runs_own)
+            return (own_rope if runs_own(q) else rope_fn)(q, k, *args, **kwargs)
+
+        glb["__ops_adv_apply_rotary_pos_emb"] = rope
     code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")
     ns: dict[str, Any] = {}
     exec(code, glb, ns)
@@ -626,6 +635,25 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
 
 _BY_NAME: dict[str, Callable] = {}
 _EPS_NAME: dict[type, str] = {}
+
+
+def _own_guard(fdef: ast.FunctionDef, token: str) -> str | None:
+    """Put `if __ops_adv_runs_own(<first argument>): return <own forward>(<every argument>)` first in the
+    rewritten forward; the name the original function must have in its globals, or None (no argument to test)."""
+    a = fdef.args
+    pos = a.posonlyargs + a.args
+    if len(pos) < 2:
+        return None
+    own = "__ops_adv_own_" + hashlib.sha1(token.encode()).hexdigest()[:16]
+    load = ast.Load()
+    args = [ast.Name(x.arg, load) for x in pos] + ([ast.Starred(ast.Name(a.vararg.arg, load), load)] if a.vararg else [])
+    kws = [ast.keyword(x.arg, ast.Name(x.arg, load)) for x in a.kwonlyargs]
+    if a.kwarg:
+        kws.append(ast.keyword(None, ast.Name(a.kwarg.arg, load)))
+    guard = ast.If(test=ast.Call(ast.Name("__ops_adv_runs_own", load), [ast.Name(pos[1].arg, load)], []),
+                   body=[ast.Return(ast.Call(ast.Name(own, load), args, kws))], orelse=[])
+    fdef.body.insert(0, guard)
+    return own
 def _wrappers(f: Any) -> tuple[list, Any]:
     """(decorators' wrapper functions, outermost first; the function they wrap)."""
     chain = []

@@ -19,12 +19,14 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..ops.conv2d import conv2d
 from ..ops.layer_norm import layer_norm
 from ..ops.linear import linear
 from ..ops.rms_norm import rms_norm
 from . import blocks, conv_bn, graphs, hf
+from .merge import runs_own
 
 
 # A converted module keeps its exact type (libraries such as quantize_dynamic match exact types): its
@@ -45,6 +47,8 @@ def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     w, b = p.get("weight"), p.get("bias")
     if w is None or "bias" not in p:  # parametrized, pruned or re-normed: read what the module computes
         w, b = self.weight, self.bias
+    if runs_own(x):  # nothing tuned here: nn.Linear's own call
+        return F.linear(x, w, b)
     return linear(x, w, b)
 
 
@@ -53,6 +57,8 @@ def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     w, b = p.get("weight"), p.get("bias")
     if w is None or "bias" not in p:
         w, b = self.weight, self.bias
+    if runs_own(x):  # nothing tuned here: nn.LayerNorm's own call
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
     if len(self.normalized_shape) != 1 or w is None:
         return type(self).forward(self, x)
     return layer_norm(x, w, b, self.eps)
@@ -60,6 +66,8 @@ def _layer_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     w = _weight(self)
+    if runs_own(x):  # nothing tuned here: nn.RMSNorm's own call
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
     if len(self.normalized_shape) != 1 or w is None:
         return type(self).forward(self, x)
     return rms_norm(x, w, self.eps)
@@ -73,6 +81,8 @@ def _is_conv1d(m: nn.Module) -> bool:
 
 
 def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if runs_own(x):
+        return type(self).forward(self, x)
     p = self._parameters
     w, b = p.get("weight"), p.get("bias")
     if w is None or "bias" not in p:
@@ -122,7 +132,7 @@ def _bn_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _library_rms_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     # The library's own forward (fp32 statistics, then its casts) where dtypes differ or more than x is passed.
     w = _weight(self)
-    if x.dtype is not w.dtype or args or kwargs:
+    if x.dtype is not w.dtype or args or kwargs or runs_own(x):
         return type(self).forward(self, x, *args, **kwargs)
     name = _EPS_NAMES.get(type(self))
     if name is None:  # a missing name costs ~1.5 µs through nn.Module.__getattr__: found once per class
@@ -136,7 +146,7 @@ _EPS_NAMES: dict[type, str] = {}
 def _unit_rms_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     # A (1 + weight) norm (Gemma's): the library's own forward where dtypes differ or more than x is passed.
     w = _weight(self)
-    if x.dtype is not w.dtype or args or kwargs:
+    if x.dtype is not w.dtype or args or kwargs or runs_own(x):
         return type(self).forward(self, x, *args, **kwargs)
     name = _EPS_NAMES.get(type(self))
     if name is None:

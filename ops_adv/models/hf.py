@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._op import _vendor_only
+from .merge import runs_own as _runs_own
 from ..ops.attention import DECODE_MAX_QUERY, attention
 from ..ops.linear import linear
 from ..ops.swiglu import swiglu
@@ -309,16 +310,29 @@ def _understood(kwargs: dict, Skv: int) -> bool:
     return True
 
 
+_ATTENTION_FUNCTIONS: Any = None  # transformers' registry, read once (an import per call cost ~1 µs)
+
+
+def _load_attention_functions() -> None:
+    global _ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _ATTENTION_FUNCTIONS = ALL_ATTENTION_FUNCTIONS
+
+
 def _original_attention(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
     """The attention the module had before conversion: transformers' registered function, or for
     'eager' the modeling module's own eager_attention_forward (its mask made additive, as eager expects)."""
-    import sys
-
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     impl = module.__dict__.get("_ops_adv_attn_original") or "sdpa"
-    fn = None if impl == "eager" or impl == "ops_adv" else ALL_ATTENTION_FUNCTIONS.get(impl)
+    fn = None
+    if impl != "eager" and impl != "ops_adv":
+        fns = _ATTENTION_FUNCTIONS
+        if fns is None:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as fns
+        fn = fns.get(impl)
     if fn is None:
+        import sys
+
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is None:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
@@ -355,6 +369,16 @@ def hf_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     whose cache holds more slots than its valid length, or whose K/V heads are grouped, runs ops_adv's
     decode_attention (GQA without copying K/V, seq_lens from the mask).
     """
+    if _runs_own(query):  # nothing tuned for this device: the module's own attention, at the cost of one check
+        seen = module.__dict__.get("_ops_adv_routes")
+        if seen is None:
+            seen = module.__dict__["_ops_adv_routes"] = _Routes()
+        seen["original"] = seen.get("original", 0) + 1
+        if ROUTE_LOG is not None:
+            ROUTE_LOG.append("original")
+        if _ATTENTION_FUNCTIONS is None:
+            _load_attention_functions()
+        return _original_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     Hq, Hkv = query.shape[1], key.shape[1]

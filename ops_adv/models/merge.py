@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._dispatch import _OP_FUNCS
+from .._dispatch import _OP_FUNCS, passthrough
 from .._op import _autocast, _functorch, _is_compiling, _tracing_state, define
 
 
@@ -90,6 +90,12 @@ def _state(m: nn.Module) -> dict:
             q.__dict__.update(p.__dict__)
             params[k] = q
     return state
+
+
+def runs_own(x: Any) -> bool:
+    """Whether this call may run the original module's own code: an eager call (not compiled, exported or
+    traced) on a device for which nothing is tuned (`_dispatch.passthrough`). Then conversion costs one check."""
+    return isinstance(x, torch.Tensor) and not _is_compiling() and _tracing_state() is None and passthrough(x.device)
 
 
 def _span(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -170,7 +176,7 @@ def one_gemm(x: torch.Tensor, mods: tuple[nn.Module, ...]) -> torch.Tensor | Non
 
 def project(x: torch.Tensor, *mods: nn.Module) -> tuple[Any, ...]:
     """(mods[0](x), mods[1](x), ...), from one gemm where their weights are merged."""
-    y = one_gemm(x, mods)
+    y = None if runs_own(x) else one_gemm(x, mods)
     if y is None:
         return tuple(m(x) for m in mods)
     return y.split([m._parameters["weight"].shape[0] for m in mods], -1)
