@@ -52,9 +52,9 @@ def passthrough(device) -> bool:
     """Whether a converted module may run the original module's forward on `device`: the loaded table holds
     no winner at all for its device class (so every call would run a vendor kernel, torch's own function),
     no ops-adv implementation outranks the vendor kernels as a default, and nothing watches the calls
-    (record(), census(), profilers). Then conversion costs nothing where nothing is tuned: the dispatch
-    that would choose the vendor kernel (3-9 µs a call on the CPU) is skipped. Misses are not counted
-    then; `ops_adv.record()` collects a model's problems."""
+    (record(), census(), profilers); OPS_ADV_PASSTHROUGH=0 turns it off. Then conversion costs one check where
+    nothing is tuned: the dispatch that would choose the vendor kernel (3-9 µs a call on the CPU) is skipped.
+    Misses are not counted then; `ops_adv.record()` collects a model's problems."""
     if _recording or _wrappers:
         return False
     dc = _classes.get(device)
@@ -63,7 +63,7 @@ def passthrough(device) -> bool:
         if _tuned is None:
             load_table()
         dc = _device_class(device)
-        p = _passthrough[dc] = not _tuned.get(dc) and _vendor_defaults(backend_of(device))
+        p = _passthrough[dc] = _settings.passthrough() and not _tuned.get(dc) and _vendor_defaults(backend_of(device))
     return p
 
 

@@ -58,6 +58,13 @@ def compile_keeps_operators() -> bool:
     return os.environ.get("OPS_ADV_COMPILE_OPERATORS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def passthrough() -> bool:
+    """OPS_ADV_PASSTHROUGH=0: converted models dispatch every call even where nothing is tuned for the device (so
+    `misses()` counts them, and the dispatch paths run as they do with a table). By default such calls run the
+    original module's code (ops_adv._dispatch.passthrough). Read when the tables or caches change."""
+    return os.environ.get("OPS_ADV_PASSTHROUGH", "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def generate_graphs() -> bool:
     """OPS_ADV_GENERATE_GRAPHS=1: generate() on a converted model runs its decode steps in ops-adv's CUDA graphs
     (ops_adv.models.graphs) instead of transformers' torch.compile. Off by default until it has run on a GPU."""
