@@ -42,7 +42,8 @@ def _ops_adv_mask(*args: Any, **kwargs: Any) -> Any:
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     mask = sdpa_mask(*args, **kwargs)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1 and mask.dtype == torch.bool:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1 and mask.dtype == torch.bool \
+            and not _runs_own(mask):  # with nothing tuned the original attention takes the mask as it is
         kv_offset = kwargs.get("kv_offset", 0)
         causal = (not args and not kwargs.get("use_vmap")
                   and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
