@@ -16,8 +16,10 @@ import time
 
 import torch
 
-# this folder's kernels.py would shadow the `kernels` package transformers imports
+# this folder's kernels.py would shadow the `kernels` package transformers imports; the checkout's ops_adv, not an
+# installed one, is what runs
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _models():
