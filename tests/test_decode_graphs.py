@@ -106,11 +106,15 @@ def _inputs(B=2, S=7, seed=1):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def test_converted_model_reports_decode_graphs():
+def test_converted_model_reports_decode_graphs(monkeypatch):
+    monkeypatch.delenv("OPS_ADV_GENERATE_GRAPHS", raising=False)
     m = ops_adv.convert_model(_tiny())
     assert "get_compiled_call" in m.__dict__
     rows = [r for r in m._ops_adv_report if r["type"] == "generate() decode steps"]
-    assert rows and rows[0]["converted"] == "yes"
+    assert rows and rows[0]["converted"] == "no" and "OPS_ADV_GENERATE_GRAPHS=1" in rows[0]["why"]
+    monkeypatch.setenv("OPS_ADV_GENERATE_GRAPHS", "1")
+    rows = [r for r in ops_adv.convert_model(_tiny())._ops_adv_report if r["type"] == "generate() decode steps"]
+    assert rows[0]["converted"] == "yes"
     # not a generative model: nothing installed
     from transformers import BertConfig, BertModel
 

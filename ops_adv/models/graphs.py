@@ -321,6 +321,9 @@ def install(model: nn.Module) -> list[dict[str, str]]:
     if not callable(getattr(type(model), "get_compiled_call", None)) or not callable(can) or not can():
         return []
     model.__dict__["get_compiled_call"] = functools.partial(get_compiled_call, model)
-    return [{"module": "", "type": "generate() decode steps", "converted": "yes",
-             "why": "with OPS_ADV_GENERATE_GRAPHS=1: CUDA graphs of the converted forward per decode shape "
-                    "(transformers' compile path for prefill, gradients, other backends, and without it)"}]
+    on = _settings.generate_graphs()
+    return [{"module": "", "type": "generate() decode steps", "converted": "yes" if on else "no",
+             "why": "CUDA graphs of the converted forward per decode shape (transformers' compile path for prefill, "
+                    "gradients and other backends)" if on else
+                    "transformers' torch.compile; OPS_ADV_GENERATE_GRAPHS=1 runs them in ops-adv's CUDA graphs "
+                    "(not yet run on a GPU)"}]
