@@ -28,7 +28,7 @@ STAGES=(  # name | limit s | what it runs
   "tune           | 450 | tune the six ops' default problems, export, check, dispatch vs vendor through the table, report"
   "e2e-tune       | 330 | record the e2e models' problems (E2E_TUNE_CASES), tune them (TUNE_S), export \$OUT/e2e-tune/opsadv-table.json"
   "generate-tune  | 420 | issue 28: model.tune_for_hardware(max_new_tokens=...) on Llama-3-8B dims (GEN_BATCHES, GEN_PROMPTS, TUNE_S, TRIALS), census before/after, export \$OUT/generate-tune/opsadv-table.json"
-  "generate-graphs | 570 | issue 28: tests/test_decode_graphs.py on the GPU, generate-tune (GEN_PROMPTS default 512,4096, TUNE_S 90, TRIALS 5), then generate at prompt 512 with that table: compile, compile(converted), compile-graphs(converted)"
+  "generate-graphs | 570 | issue 28: tests/test_decode_graphs.py on the GPU, generate-tune (GEN_PROMPTS default 512,4096, TUNE_S 90, TRIALS 5), then generate at prompt 512 with that table: compile, compile(converted) (ops-adv's decode graphs with a table), compile-dynamo(converted)"
   "generate-graphs-2 | 570 | issue 28: the same variants at prompt 4096 with TABLE (default: \$OUT/generate-tune's), then prompt 512 with no table"
   "borrowed       | 200 | issue 28: benchmarks/borrowed_decode.py (decode_attention winners fitted to other batches and caches against a sweep's best)"
   "profile        | 400 | benchmarks/step_profile.py (PROFILE_ARGS) with TABLE: the CUDA kernels of one decode step per variant (ours, compiled, graphed)"
@@ -183,7 +183,7 @@ stage() {
     step export 60 python3 -m tuner export --device "$dev" --out "$D" --db "sqlite:///$db" \
       && step check 30 python3 -m ops_adv check "$D/opsadv-table.json" ;;
   generate-graphs|generate-graphs-2)
-    local D0=$D v="compile,compile(converted),compile-graphs(converted)" g="--parts generate --gen-batches 1,8 --gen-warmup 1 --gen-reps 3"
+    local D0=$D v="compile,compile(converted),compile-dynamo(converted)" g="--parts generate --gen-batches 1,8 --gen-warmup 1 --gen-reps 3"
     if [ "$1" = generate-graphs ]; then
       TSIG=INT step graphs-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py
       D=$OUT/generate-tune; mkdir -p "$D"
@@ -194,7 +194,7 @@ stage() {
       D=$OUT/generate-p4096; mkdir -p "$D"
       DECODE_STEP_LIMIT=$(($(left) / 2 + 10)) DECODE_STEP_ARGS="$g --gen-variants $v --prompt-tokens 4096" stage decode-step
       D=$OUT/generate-p512-no-table; mkdir -p "$D"
-      TABLE= OUT=$D DECODE_STEP_ARGS="$g --gen-variants compile,compile(converted),compile-graphs(converted) --prompt-tokens 512" stage decode-step
+      TABLE= OUT=$D DECODE_STEP_ARGS="$g --gen-variants compile,compile(converted),compile-dynamo(converted),compile-graphs(converted) --prompt-tokens 512" stage decode-step
     fi
     D=$D0 ;;
   profile)

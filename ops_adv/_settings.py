@@ -65,10 +65,16 @@ def passthrough() -> bool:
     return os.environ.get("OPS_ADV_PASSTHROUGH", "").strip().lower() not in ("0", "false", "no", "off")
 
 
-def generate_graphs() -> bool:
-    """OPS_ADV_GENERATE_GRAPHS=1: generate() on a converted model runs its decode steps in ops-adv's CUDA graphs
-    (ops_adv.models.graphs) instead of transformers' torch.compile. Off by default until it has run on a GPU."""
-    return os.environ.get("OPS_ADV_GENERATE_GRAPHS", "").strip().lower() in ("1", "true", "yes", "on")
+def generate_graphs() -> bool | None:
+    """OPS_ADV_GENERATE_GRAPHS: whether generate() on a converted model runs its decode steps in ops-adv's CUDA
+    graphs (ops_adv.models.graphs) instead of transformers' torch.compile. 1: always; 0: never; unset: where a
+    table with winners for the device is loaded (None)."""
+    raw = os.environ.get("OPS_ADV_GENERATE_GRAPHS", "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    return None
 
 
 DB_RETRY_DEFAULT = 60.0

@@ -111,10 +111,10 @@ def test_converted_model_reports_decode_graphs(monkeypatch):
     m = ops_adv.convert_model(_tiny())
     assert "get_compiled_call" in m.__dict__
     rows = [r for r in m._ops_adv_report if r["type"] == "generate() decode steps"]
-    assert rows and rows[0]["converted"] == "no" and "OPS_ADV_GENERATE_GRAPHS=1" in rows[0]["why"]
-    monkeypatch.setenv("OPS_ADV_GENERATE_GRAPHS", "1")
+    assert rows and rows[0]["converted"] == "yes" and "where a table with winners" in rows[0]["why"]
+    monkeypatch.setenv("OPS_ADV_GENERATE_GRAPHS", "0")
     rows = [r for r in ops_adv.convert_model(_tiny())._ops_adv_report if r["type"] == "generate() decode steps"]
-    assert rows[0]["converted"] == "yes"
+    assert rows[0]["converted"] == "no"
     # not a generative model: nothing installed
     from transformers import BertConfig, BertModel
 
@@ -257,14 +257,26 @@ def test_a_step_that_cannot_be_captured_runs_transformers_path(cpu_graphs):
     assert e.failed.startswith("RuntimeError")
 
 
-def test_off_by_default(monkeypatch):
+def test_on_where_something_is_tuned(monkeypatch, tmp_path):
+    """Unset, the graphs run where a table with winners for the device is loaded; with nothing tuned the model runs
+    the original's eager code, which transformers' compile fuses better (H100: 0.88-0.98x for the graphs)."""
+    from test_passthrough import _cpu_table
+
     monkeypatch.delenv("OPS_ADV_GENERATE_GRAPHS", raising=False)
+    monkeypatch.delenv("OPS_ADV_PASSTHROUGH", raising=False)
     monkeypatch.setattr(graphs, "_graphable", lambda model: True)
-    m = ops_adv.convert_model(_tiny())
     seen = []
     monkeypatch.setattr(graphs, "_original", lambda model, cfg: seen.append(cfg) or model.__call__)
-    assert m.get_compiled_call(None) == m.__call__ and seen == [None]
-    assert "_ops_adv_decode_graphs" not in m.__dict__
+    try:
+        ops_adv.load_table("")
+        m = ops_adv.convert_model(_tiny())
+        assert m.get_compiled_call(None) == m.__call__ and seen == [None]
+        assert "_ops_adv_decode_graphs" not in m.__dict__
+        ops_adv.load_table(_cpu_table(tmp_path))
+        assert m.get_compiled_call(None).func is m.__dict__["_ops_adv_decode_graphs"] and len(seen) == 1
+    finally:
+        monkeypatch.setenv("OPS_ADV_PASSTHROUGH", "0")
+        ops_adv.load_table("")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
