@@ -27,6 +27,14 @@ MAX_PROBLEMS = 4096
 _epoch = [0]  # bumped whenever resolved calls may resolve differently (a table loaded, caches emptied, wrappers)
 
 
+def _reset_resolved() -> None:
+    """Empty the per-op caches (callers hold _lock): calls resolve again, and graphs captured from them are stale."""
+    for c in _caches.values():
+        c.clear()
+    _passthrough.clear()
+    _epoch[0] += 1
+
+
 def epoch() -> int:
     """A number that changes whenever a call may resolve to another implementation than before (CUDA graphs
     captured from resolved calls are stale then)."""
@@ -181,10 +189,7 @@ def load_table(spec: str | None = None, *, any_device: bool = False) -> dict[str
         _ours.update(ours)
         _decisions.clear()
         _indexes.clear()
-        for c in _caches.values():
-            c.clear()
-        _passthrough.clear()
-        _epoch[0] += 1
+        _reset_resolved()
     return tuned
 
 
@@ -325,10 +330,7 @@ def forget_resolved() -> None:
     """Empty the caches and decisions (they fill again as calls come)."""
     with _lock:
         _decisions.clear()
-        for c in _caches.values():
-            c.clear()
-        _passthrough.clear()
-        _epoch[0] += 1
+        _reset_resolved()
 
 
 def bounded(cache: dict) -> dict:
@@ -372,19 +374,13 @@ def add_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
     """Wrap every implementation resolved from now on (caches are emptied so known problems resolve again)."""
     with _lock:
         _wrappers.append(wrap)
-        for c in _caches.values():
-            c.clear()
-        _passthrough.clear()
-        _epoch[0] += 1
+        _reset_resolved()
 
 
 def remove_wrapper(wrap: Callable[..., Callable[..., Any]]) -> None:
     with _lock:
         _wrappers[:] = [w for w in _wrappers if w != wrap]  # ==: bound methods are equal, not identical
-        for c in _caches.values():
-            c.clear()
-        _passthrough.clear()
-        _epoch[0] += 1
+        _reset_resolved()
 
 
 def start_recording() -> dict[tuple[str, tuple], None]:
@@ -392,10 +388,7 @@ def start_recording() -> dict[tuple[str, tuple], None]:
     seen: dict[tuple[str, tuple], None] = {}
     with _lock:
         _recording.append(seen)
-        for c in _caches.values():
-            c.clear()
-        _passthrough.clear()
-        _epoch[0] += 1
+        _reset_resolved()
     return seen
 
 
