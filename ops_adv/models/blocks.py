@@ -553,7 +553,7 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
 
     def add_norm(h, residual, norm):
         d = norm.__dict__
-        if not d.get("_ops_adv_rms_ok") or _observed(norm) or runs_own(h):  # replaced, hooked or re-forwarded: the module runs
+        if not d.get("_ops_adv_rms_ok") or _observed(norm):  # replaced, hooked or re-forwarded: the module runs
             h = residual + h
             return norm(h), h
         name = _EPS_NAME.get(type(norm))
@@ -577,21 +577,21 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
         return swiglu(y, up) if kind == "silu" else swiglu(y, up, activation=kind)
 
     def gated(act, gate, up):
-        kind = None if runs_own(gate) else kind_of(act)
+        kind = kind_of(act)
         return act(gate) * up if kind is None else glu(gate, up, kind)
 
     def gated_r(act, up, gate):  # up * act(gate): the product commutes exactly
-        kind = None if runs_own(gate) else kind_of(act)
+        kind = kind_of(act)
         return up * act(gate) if kind is None else glu(gate, up, kind)
 
     def chunked(act, y, gate, up, right):  # gate, up = y.chunk(2, dim=-1): y is swiglu's merged layout
-        kind = None if runs_own(y) else kind_of(act)
+        kind = kind_of(act)
         if kind is None or not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[-1] % 2:
             return up * act(gate) if right else act(gate) * up
         return glu(y, None, kind)
 
     def gate_up(act, gate_proj, up_proj, x, right=False):
-        kind = None if runs_own(x) else kind_of(act)
+        kind = kind_of(act)
         if kind is not None and getattr(gate_proj, "out_features", None) == getattr(up_proj, "out_features", 0):
             y = one_gemm(x, (gate_proj, up_proj))
             if y is not None:
@@ -605,18 +605,13 @@ def _rewrite(cls: type, norm_ok: Callable[[str], Any], silu_ok: Callable[[str], 
     # inlined function's globals through the module its __name__ names, and failed on a bare dict copy.
     glb = _globals_module(fn).__dict__
     own = _own_guard(fdef, token)
-    if own is not None:  # nothing tuned for the device (runs_own): the class's own forward, at the cost of one check
-        glb[own] = fn
+    if own is not None:  # nothing tuned for the device (runs_own): the class's own forward, at the cost of one
+        glb[own] = fn    # check; the helpers below then never run, so they need none of their own
     glb.update(__ops_adv_runs_own=runs_own, __ops_adv_add_rms_norm=add_norm, __ops_adv_swiglu=gated, __ops_adv_swiglu_r=gated_r,
                __ops_adv_chunked=chunked, __ops_adv_gate_up=gate_up, __ops_adv_project=project,
                __ops_adv_moe=moe_block.moe_call)
     if rope_fn is not None:
-        own_rope = fn.__globals__["apply_rotary_pos_emb"]
-
-        def rope(q, k, *args, **kwargs):  # the model's own where nothing is tuned (runs_own)
-            return (own_rope if runs_own(q) else rope_fn)(q, k, *args, **kwargs)
-
-        glb["__ops_adv_apply_rotary_pos_emb"] = rope
+        glb["__ops_adv_apply_rotary_pos_emb"] = rope_fn
     code = compile(ast.fix_missing_locations(tree), f"{inspect.getsourcefile(fn)} (ops_adv fused)", "exec")
     ns: dict[str, Any] = {}
     exec(code, glb, ns)

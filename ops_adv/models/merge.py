@@ -176,7 +176,7 @@ def one_gemm(x: torch.Tensor, mods: tuple[nn.Module, ...]) -> torch.Tensor | Non
 
 def project(x: torch.Tensor, *mods: nn.Module) -> tuple[Any, ...]:
     """(mods[0](x), mods[1](x), ...), from one gemm where their weights are merged."""
-    y = None if runs_own(x) else one_gemm(x, mods)
+    y = one_gemm(x, mods)
     if y is None:
         return tuple(m(x) for m in mods)
     return y.split([m._parameters["weight"].shape[0] for m in mods], -1)
