@@ -30,6 +30,7 @@ STAGES=(  # name | limit s | what it runs
   "generate-tune  | 420 | issue 28: model.tune_for_hardware(max_new_tokens=...) on Llama-3-8B dims (GEN_BATCHES, GEN_PROMPTS, TUNE_S, TRIALS), census before/after, export \$OUT/generate-tune/opsadv-table.json"
   "generate-graphs | 570 | issue 28: tests/test_decode_graphs.py on the GPU, generate-tune (GEN_PROMPTS default 512,4096, TUNE_S 90, TRIALS 5), then generate at prompt 512 with that table: compile, compile(converted) (ops-adv's decode graphs with a table), compile-dynamo(converted)"
   "generate-graphs-2 | 570 | issue 28: the same variants at prompt 4096 with TABLE (default: \$OUT/generate-tune's), then prompt 512 with no table"
+  "ttft           | 300 | issue 28: benchmarks/ttft_profile.py (TTFT_ARGS) with TABLE: generate(max_new_tokens=1) and its prefill, original against converted, kernels and host profile; B=1 and B=8, prompt 512"
   "borrowed       | 200 | issue 28: benchmarks/borrowed_decode.py (decode_attention winners fitted to other batches and caches against a sweep's best)"
   "profile        | 400 | benchmarks/step_profile.py (PROFILE_ARGS) with TABLE: the CUDA kernels of one decode step per variant (ours, compiled, graphed)"
   "e2e            | 560 | benchmarks/e2e_model.py (E2E_CASES, E2E_ARGS) with TABLE: each case in its own process"
@@ -201,6 +202,13 @@ stage() {
     local tbl; tbl=$(table_or_none)
     echo "table: ${tbl:-none (every op runs its default)}"
     TAIL=60 step profile 390 python3 benchmarks/step_profile.py ${tbl:+--table "$tbl"} ${PROFILE_ARGS:-} --out "$D" ;;
+  ttft)
+    local tbl b; tbl=$(table_or_none)
+    echo "table: ${tbl:-none (every op runs its default)}"
+    for b in ${TTFT_BATCHES:-1 8}; do
+      TAIL=70 step "ttft-B$b" 140 python3 benchmarks/ttft_profile.py --batch "$b" --prompt "${TTFT_PROMPT:-512}" ${tbl:+--table "$tbl"} \
+        ${TTFT_ARGS:-} --out "$D"
+    done ;;
   borrowed)
     TAIL=30 step borrowed 190 python3 benchmarks/borrowed_decode.py --out "$D" ;;
   e2e)

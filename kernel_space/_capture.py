@@ -1,12 +1,13 @@
-"""Buffers that outlive a call, made safely while a CUDA graph is being captured.
+"""Buffers that outlive a call, made safely while a CUDA graph is being captured or recorded.
 
-A buffer a launch keeps between calls (split-K arrival counters) must not come from a capture's
+A buffer a launch keeps between calls (split-K arrival counters) must not come from a CUDA graph's
 private memory pool: torch.cuda.graph frees that pool with the graph, and torch.compile's
 reduce-overhead mode refuses pool tensors it does not own ("tensor(s) in the cudagraph pool not
-tracked as outputs", seen on the H200 with torch 2.11). Outside a capture this is a plain
-allocation; inside one it is made on a side stream, which the pool does not serve, with this
-thread's capture mode relaxed for the allocation and its zero-fill (both checked on the H200:
-the capture stays valid and the buffer is zero after replay).
+tracked as outputs"). A capture sends its stream's allocations to the pool; reduce-overhead's warm-up
+runs, which are no capture, send every allocation of the calling thread there (torch 2.11 refused a
+tuned B=1 decode step on the H100 whose first split-K launch came in one). So on CUDA the buffer is
+made by a short-lived thread of its own on a side stream, which no pool serves, with that thread's
+capture mode relaxed for the allocation and its zero-fill. Once per buffer: buffers grow and are kept.
 """
 from __future__ import annotations
 
@@ -33,18 +34,32 @@ def _exchange_mode(mode: int) -> int:
 
 
 def persistent_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """n zeros that belong to no CUDA graph pool, whether or not a capture is under way."""
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+    """n zeros that belong to no CUDA graph pool, whether or not a capture or a recording is under way."""
+    if device.type != "cuda":
         return torch.zeros(n, dtype=dtype, device=device)
-    with _lock:
-        prev = _exchange_mode(_RELAXED)
+    got: list = []
+
+    def make() -> None:
         try:
-            side = _side.get(device)
-            if side is None:
-                side = _side[device] = torch.cuda.Stream(device)
-            with torch.cuda.stream(side):
-                buf = torch.zeros(n, dtype=dtype, device=device)
-            side.synchronize()
-        finally:
-            _exchange_mode(prev)
-    return buf
+            prev = _exchange_mode(_RELAXED)
+            try:
+                with torch.cuda.device(device):
+                    side = _side.get(device)
+                    if side is None:
+                        side = _side[device] = torch.cuda.Stream(device)
+                    with torch.cuda.stream(side):
+                        buf = torch.zeros(n, dtype=dtype, device=device)
+                    side.synchronize()
+            finally:
+                _exchange_mode(prev)
+            got.append(buf)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            got.append(exc)
+
+    with _lock:
+        t = threading.Thread(target=make, name="ops-adv-persistent-zeros", daemon=True)
+        t.start()
+        t.join()
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]

@@ -233,6 +233,53 @@ def test_decode_in_a_cuda_graph(name, M, params):
         assert relative_error(out, ref) <= spec.tolerance("bf16")
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name, M, params", [
+    ("triton_splitk_decode", 8, {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 4}),
+    ("triton_gemv_decode", 1, {}),
+])
+@pytest.mark.parametrize("first_call", ["recording", "capture"])
+def test_counters_first_made_under_reduce_overhead_or_a_capture_belong_to_no_pool(name, M, params, first_call, monkeypatch):
+    """The tile counters are made on a launch's first call: inside reduce-overhead's warm-up (whose thread
+    allocates from the cudagraph pool), or inside a capture. They must not come from the pool: torch 2.11
+    refused a tuned decode step ("tensor(s) in the cudagraph pool not tracked as outputs")."""
+    from kernel_space.gemm import _kernels as kmod
+
+    impl, spec = get_impl("gemm", name), get_op("gemm")
+    (a, b), _ = spec.make_inputs(GemmProblem(M, 4096, 4096, "bf16", False, True), "cuda", seed=0)
+    f = impl.bind({**impl.default_params(), **params})
+    ref = spec.reference(a, b)
+    f(a, b)  # Triton's compile, outside
+    torch.cuda.synchronize()
+    monkeypatch.setattr(kmod, "_zeroed", {})  # no counters: the next call makes them
+    if first_call == "capture":
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = f(a, b)
+        outs = []
+        for _ in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            outs.append(out.clone())
+    else:
+        @torch.library.custom_op(f"opsadv_test_counters::{name}", mutates_args=())
+        def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return f(x, w)
+
+        @kernel.register_fake
+        def _(x, w):
+            return x.new_empty(x.shape[0], w.shape[1])
+
+        step = torch.compile(lambda x, w: kernel(x, w) * 1, mode="reduce-overhead")
+        outs = [step(a, b).clone() for _ in range(4)]  # warm-up, record, replays
+    torch.cuda.synchronize()
+    for out in outs:
+        assert relative_error(out, ref) <= spec.tolerance("bf16")
+    for buf in kmod._zeroed.values():
+        assert float(buf.abs().sum()) == 0
 # --------------------------------------------------------------------------- the one-row gemv kernel
 
 GEMV = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 2, "num_stages": 2}
