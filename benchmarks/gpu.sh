@@ -206,8 +206,8 @@ stage() {
     local tbl b; tbl=$(table_or_none)
     echo "table: ${tbl:-none (every op runs its default)}"
     for b in ${TTFT_BATCHES:-1 8}; do
-      TAIL=70 step "ttft-B$b" 140 python3 benchmarks/ttft_profile.py --batch "$b" --prompt "${TTFT_PROMPT:-512}" ${tbl:+--table "$tbl"} \
-        ${TTFT_ARGS:-} --out "$D"
+      TAIL=90 step "ttft-B$b" 150 python3 benchmarks/ttft_profile.py --batch "$b" --prompt "${TTFT_PROMPT:-512}" ${tbl:+--table "$tbl"} \
+        ${TTFT_ARGS:---new 32} --out "$D"
     done ;;
   borrowed)
     TAIL=30 step borrowed 190 python3 benchmarks/borrowed_decode.py --out "$D" ;;

@@ -9,7 +9,11 @@ each variant in its own process (--variant, or all of them one after the other):
   - the same call's prefill forward alone (model(ids, mask, static cache, logits_to_keep=1)), timed the same way;
   - torch.profiler over one generate: CUDA kernel time summed, the wall time, and the kernels by total time;
   - cProfile's top host functions of one generate (by their own time);
-  - with a table, the census of op calls of one generate by op, implementation and source.
+  - with a table, the census of op calls of one generate by op, implementation and source;
+  - with --new N (> 1): the decode steps of generate(max_new_tokens=N): wall time a step ((N-token generate -
+    1-token generate) / (N - 1)), CUDA kernel time a step (the same difference, from the profiler), and cProfile's
+    top host functions of that generate. Where the wall time a step exceeds the kernel time, the host (generate's
+    loop, the graphs' input copies) or gaps between kernels bound the step.
 
     python benchmarks/ttft_profile.py --batch 1 --prompt 512 --table T.json --out DIR
 """
@@ -125,6 +129,34 @@ def run_variant(args: argparse.Namespace) -> dict:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.top)
         res["host_profile"] = s.getvalue()
+        if args.new > 1:
+            kwn = dict(kw, max_new_tokens=args.new)
+            for _ in range(2):
+                m.generate(ids, attention_mask=mask, **kwn)  # compiles or captures
+            ts = []
+            for _ in range(args.reps):
+                _sync(dev)
+                t0 = time.perf_counter()
+                m.generate(ids, attention_mask=mask, **kwn)
+                _sync(dev)
+                ts.append(time.perf_counter() - t0)
+            res["step_ms"] = (statistics.median(ts) * 1e3 - res["generate_1_ms"]) / (args.new - 1)
+            with torch.profiler.profile(activities=acts) as prof:
+                m.generate(ids, attention_mask=mask, **kwn)
+                _sync(dev)
+            k = [ev.device_time / 1e3 for ev in prof.events()
+                 if dev.type == "cuda" and ev.device_type == torch.autograd.DeviceType.CUDA]
+            res["step_kernel_ms"] = (sum(k) - res["kernel_ms"]) / (args.new - 1)
+            res["step_kernels"] = (len(k) - res["kernels"]) / (args.new - 1)
+            pr = cProfile.Profile()
+            _sync(dev)
+            pr.enable()
+            m.generate(ids, attention_mask=mask, **kwn)
+            _sync(dev)
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.top)
+            res["decode_host_profile"] = s.getvalue()
     return res
 
 
@@ -137,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--new", type=int, default=0, help="also profile the decode steps of generate(max_new_tokens=NEW)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--table", help="the tuned table the converted variant loads (OPS_ADV_TABLE)")
     ap.add_argument("--variant", choices=VARIANTS, help="one variant, in this process (default: each in its own)")
@@ -161,12 +194,17 @@ def main(argv=None) -> int:
         print(f"== {v}: " + (r.get("error") or f"generate(1) {r['generate_1_ms']:.2f} ms (min {r['generate_1_min_ms']:.2f}), "
                               f"prefill {r['prefill_ms']:.2f} ms, profiled wall {r['profiled_wall_ms']:.2f} ms, "
                               f"{r['kernels']} kernels {r['kernel_ms']:.2f} ms"), flush=True)
+        if r.get("step_ms"):
+            print(f"   decode: {r['step_ms']:.3f} ms a step (wall), {r['step_kernel_ms']:.3f} ms of kernels a step, "
+                  f"{r['step_kernels']:.1f} kernels a step")
         for k in r.get("top_kernels", [])[:args.top]:
             print(f"   {k[2]:8.3f} ms {k[1]:5d}x  {k[0]}")
         if r.get("census"):
             print(r["census"])
-        if r.get("host_profile"):
-            print("\n".join(r["host_profile"].splitlines()[:args.top + 12]))
+        for key in ("host_profile", "decode_host_profile"):
+            if r.get(key):
+                print(f"   {key}:")
+                print("\n".join(r[key].splitlines()[:args.top + 12]))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"ttft-B{args.batch}-p{args.prompt}.json").write_text(json.dumps(rows, indent=1, default=str))
