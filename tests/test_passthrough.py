@@ -127,12 +127,33 @@ def test_a_table_census_or_switch_turns_it_off(on, tmp_path, monkeypatch):
     assert not _dispatch.passthrough(cpu)
 
 
-def test_compile_still_sees_the_converted_model(on):
-    """Under torch.compile the check folds away (the compiled graph is the one it was before: ops traced as torch's
-    where nothing of ours is tuned) and the model matches."""
-    ref, model = _pair("llama")
-    ids = torch.randint(1, 120, (1, 6), generator=torch.Generator().manual_seed(4))
+def _graph_ops(model, ids):
+    """The call targets of the FX graphs torch.compile(fullgraph) makes of `model`, and its output."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")])
+        return gm.forward
+
+    torch._dynamo.reset()
     with torch.no_grad():
-        want = ref(ids).logits
-        got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+        out = torch.compile(model, backend=backend, fullgraph=True)(ids).logits
+    return graphs, out
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_compile_traces_the_original_model(on, family, monkeypatch):
+    """Under torch.compile the check is made when the graph is traced: with nothing tuned the compiled graph is
+    the original model's, op for op (Mixtral keeps transformers' experts implementation), and the model matches.
+    OPS_ADV_COMPILE_OPERATORS=1 keeps ops-adv's operators there."""
+    ref, model = _pair(family)
+    ids = torch.randint(1, 120, (1, 6), generator=torch.Generator().manual_seed(4))
+    want_ops, want = _graph_ops(ref, ids)
+    got_ops, got = _graph_ops(model, ids)
+    assert got_ops == want_ops
+    assert not any("ops_adv" in t for g in got_ops for t in g)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("OPS_ADV_COMPILE_OPERATORS", "1")
+    kept_ops, kept = _graph_ops(model, ids)
+    assert any("ops_adv" in t for g in kept_ops for t in g)
+    torch.testing.assert_close(kept, want, rtol=1e-4, atol=1e-4)

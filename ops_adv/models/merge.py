@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import _settings
 from .._dispatch import _OP_FUNCS, passthrough
-from .._op import _autocast, _functorch, _is_compiling, _tracing_state, define
+from .._op import _autocast, _functorch, _is_compiling, _is_exporting, _tracing_state, define
 
 
 def merge(mods: list[nn.Module]) -> str | None:
@@ -93,9 +94,21 @@ def _state(m: nn.Module) -> dict:
 
 
 def runs_own(x: Any) -> bool:
-    """Whether this call may run the original module's own code: an eager call (not compiled, exported or
-    traced) on a device for which nothing is tuned (`_dispatch.passthrough`). Then conversion costs one check."""
-    return isinstance(x, torch.Tensor) and not _is_compiling() and _tracing_state() is None and passthrough(x.device)
+    """Whether this call may run the original module's own code: nothing is tuned for its device
+    (`_dispatch.passthrough`), and it is eager, or compiled (decided when the graph is traced, as the vendor-only
+    ops are: load the table before compiling; then the compiled graph is the original model's). Not under
+    torch.export (an exported program dispatches through the table of the machine that runs it), jit tracing,
+    or OPS_ADV_COMPILE_OPERATORS=1. Eager, conversion then costs one check."""
+    if not isinstance(x, torch.Tensor) or _tracing_state() is not None:
+        return False
+    if _is_compiling():
+        return not _is_exporting() and _passthrough_traced(str(x.device))
+    return passthrough(x.device)
+
+
+@torch.compiler.assume_constant_result
+def _passthrough_traced(device: str) -> bool:
+    return not _settings.compile_keeps_operators() and passthrough(torch.device(device))
 
 
 def _span(ts: list[torch.Tensor]) -> torch.Tensor | None:
