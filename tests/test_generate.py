@@ -84,6 +84,27 @@ def test_generate_static_cache_matches_and_routes(no_table, family, padded):
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["all-ones", "left-padded"])
+def test_a_decode_step_reads_its_mask_once(no_table, padded, monkeypatch):
+    """Every layer of a decode step gets the same mask: its seq_lens are computed by the first layer only, and a
+    mask changed in place, another mask or other shapes compute them again."""
+    ref = _model("llama")
+    model = ops_adv.convert_model(copy.deepcopy(ref))
+    ids, mask = _batch(padded)
+    reads = []
+    real = _convert._seq_lens_of
+    monkeypatch.setattr(_convert, "_seq_lens_of", lambda *a: reads.append(1) or real(*a))
+    assert torch.equal(_generate(model, ids, mask), _generate(ref, ids, mask))
+    assert len(reads) == NEW - 1  # one a decode step, not one a layer
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
+    m = torch.arange(8).lt(5).expand(2, 1, 1, 8).contiguous().as_strided((2, 1, 1, 8), (8, _convert._PREFIX_STRIDE, 8, 1))
+    first = _convert._decode_seq_lens(q, k, m)
+    assert _convert._decode_seq_lens(q, k, m) is first and first[1].tolist() == [5, 5]
+    m[:, :, :, 5] = True  # in place: read again
+    assert _convert._decode_seq_lens(q, k, m)[1].tolist() == [6, 6]
+    assert _convert._decode_seq_lens(q[:1], k[:1], m[:1])[1].tolist() == [6]  # another mask (a view) and batch
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones", "left-padded"])
 def test_generate_compiled_matches_and_routes(no_table, padded, monkeypatch):
     """The same under torch.compile (aot_eager): the route is decided from mask metadata, so the compiled
     decode step runs the decode_attention operator without reading the mask on the host. (Without a table

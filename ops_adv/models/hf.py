@@ -10,13 +10,15 @@ transformers itself is imported only inside these functions.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._op import _vendor_only
+from .._op import _is_compiling, _vendor_only
 from .merge import runs_own as _runs_own
 from ..ops.attention import DECODE_MAX_QUERY, attention
 from ..ops.linear import linear
@@ -264,7 +266,26 @@ def _refusal(module: nn.Module, keywords: dict) -> str | None:
     return None
 
 
+# The last mask _decode_seq_lens read, eagerly, in this thread: (weakref to it, its version, shapes, thread, result).
+# Every layer of a step gets the same mask object: the first computes seq_lens (1 to 4 small kernels), the others
+# reuse them (a 32-layer step with left padding launched ~120 kernels fewer). A captured step does the same.
+_SEQ_MEMO: list[Any] = [None]
+
+
 def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any, Any]:
+    if attention_mask is None or _is_compiling() or torch._C._get_tracing_state() is not None:
+        return _seq_lens_of(query, key, attention_mask)
+    at = (query.shape[0], query.shape[2], key.shape[2], threading.get_ident())
+    memo = _SEQ_MEMO[0]
+    if memo is not None and memo[0]() is attention_mask and memo[1] == attention_mask._version and memo[2] == at:
+        return memo[3]
+    res = _seq_lens_of(query, key, attention_mask)
+    if isinstance(attention_mask, torch.Tensor):
+        _SEQ_MEMO[0] = (weakref.ref(attention_mask), attention_mask._version, at, res) if res[0] else None
+    return res
+
+
+def _seq_lens_of(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any, Any]:
     """(usable, seq_lens, key_mask) for a decode call, read on the device (no host sync).
 
     Without a mask every key slot is valid (seq_lens None). With one of ops_adv's plain causal masks
