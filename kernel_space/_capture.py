@@ -6,8 +6,9 @@ reduce-overhead mode refuses pool tensors it does not own ("tensor(s) in the cud
 tracked as outputs"). A capture sends its stream's allocations to the pool; reduce-overhead's warm-up
 runs, which are no capture, send every allocation of the calling thread there (torch 2.11 refused a
 tuned B=1 decode step on the H100 whose first split-K launch came in one). So on CUDA the buffer is
-made by a short-lived thread of its own on a side stream, which no pool serves, with that thread's
-capture mode relaxed for the allocation and its zero-fill. Once per buffer: buffers grow and are kept.
+made by a short-lived thread of its own on a side stream, which no pool serves (during the caller's capture
+with that thread's capture mode relaxed for the allocation and its zero-fill). Once per buffer: buffers grow
+and are kept.
 """
 from __future__ import annotations
 
@@ -38,28 +39,31 @@ def persistent_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.
     if device.type != "cuda":
         return torch.zeros(n, dtype=dtype, device=device)
     got: list = []
-
-    def make() -> None:
-        try:
-            prev = _exchange_mode(_RELAXED)
-            try:
-                with torch.cuda.device(device):
-                    side = _side.get(device)
-                    if side is None:
-                        side = _side[device] = torch.cuda.Stream(device)
-                    with torch.cuda.stream(side):
-                        buf = torch.zeros(n, dtype=dtype, device=device)
-                    side.synchronize()
-            finally:
-                _exchange_mode(prev)
-            got.append(buf)
-        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-            got.append(exc)
-
+    relax = torch.cuda.is_current_stream_capturing()  # the caller's capture forbids a plain thread's cudaMalloc
     with _lock:
-        t = threading.Thread(target=make, name="ops-adv-persistent-zeros", daemon=True)
+        t = threading.Thread(target=_make, args=(n, dtype, device, relax, got), name="ops-adv-persistent-zeros",
+                             daemon=True)
         t.start()
         t.join()
     if isinstance(got[0], BaseException):
         raise got[0]
     return got[0]
+
+
+def _make(n: int, dtype: torch.dtype, device: torch.device, relax: bool, got: list) -> None:
+    try:
+        with torch.cuda.device(device):
+            prev = _exchange_mode(_RELAXED) if relax else None
+            try:
+                side = _side.get(device)
+                if side is None:
+                    side = _side[device] = torch.cuda.Stream(device)
+                with torch.cuda.stream(side):
+                    buf = torch.zeros(n, dtype=dtype, device=device)
+                side.synchronize()
+            finally:
+                if prev is not None:
+                    _exchange_mode(prev)
+        got.append(buf)
+    except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+        got.append(exc)
