@@ -6,9 +6,10 @@ reduce-overhead mode refuses pool tensors it does not own ("tensor(s) in the cud
 tracked as outputs"). A capture sends its stream's allocations to the pool; reduce-overhead's warm-up
 runs, which are no capture, send every allocation of the calling thread there (torch 2.11 refused a
 tuned B=1 decode step on the H100 whose first split-K launch came in one). So on CUDA the buffer is
-made by a short-lived thread of its own on a side stream, which no pool serves (during the caller's capture
-with that thread's capture mode relaxed for the allocation and its zero-fill). Once per buffer: buffers grow
-and are kept.
+made on a side stream, which no capture's pool serves: inside a capture with this thread's capture mode
+relaxed for the allocation and its zero-fill (checked on the H200: the capture stays valid and the buffer is
+zero after replay), otherwise by a short-lived thread of its own, whose allocations no warm-up routes to a
+pool. Once per buffer: buffers grow and are kept.
 """
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ def persistent_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.
     if device.type != "cuda":
         return torch.zeros(n, dtype=dtype, device=device)
     got: list = []
-    relax = torch.cuda.is_current_stream_capturing()  # the caller's capture forbids a plain thread's cudaMalloc
     with _lock:
-        t = threading.Thread(target=_make, args=(n, dtype, device, relax, got), name="ops-adv-persistent-zeros",
-                             daemon=True)
-        t.start()
-        t.join()
+        if torch.cuda.is_current_stream_capturing():  # a capture's pool serves its stream: a side stream, here
+            _make(n, dtype, device, True, got)
+        else:  # reduce-overhead's warm-up may send this thread's allocations to its pool: another thread
+            t = threading.Thread(target=_make, args=(n, dtype, device, False, got), name="ops-adv-persistent-zeros",
+                                 daemon=True)
+            t.start()
+            t.join()
     if isinstance(got[0], BaseException):
         raise got[0]
     return got[0]
