@@ -28,8 +28,8 @@ STAGES=(  # name | limit s | what it runs
   "tune           | 450 | tune the six ops' default problems, export, check, dispatch vs vendor through the table, report"
   "e2e-tune       | 330 | record the e2e models' problems (E2E_TUNE_CASES), tune them (TUNE_S), export \$OUT/e2e-tune/opsadv-table.json"
   "generate-tune  | 420 | issue 28: model.tune_for_hardware(max_new_tokens=...) on Llama-3-8B dims (GEN_BATCHES, GEN_PROMPTS, TUNE_S, TRIALS), census before/after, export \$OUT/generate-tune/opsadv-table.json"
-  "generate-graphs | 570 | issue 28: tests/test_decode_graphs.py on the GPU, generate-tune (GEN_PROMPTS default 512,4096, TUNE_S 90, TRIALS 5), then generate at prompt 512 with that table: compile, compile(converted) (ops-adv's decode graphs with a table), compile-dynamo(converted)"
-  "generate-graphs-2 | 570 | issue 28: the same variants at prompt 4096 with TABLE (default: \$OUT/generate-tune's), then prompt 512 with no table"
+  "generate-graphs | 570 | issue 28: tests/test_decode_graphs.py, test_passthrough.py and the split-K counters' pool test on the GPU, generate-tune (GEN_PROMPTS default 512,4096, TUNE_S 90, TRIALS 5), then generate at prompt 512 with that table: compile, compile(converted) (ops-adv's decode graphs with a table), compile-dynamo(converted)"
+  "generate-graphs-2 | 570 | issue 28: the same variants at prompt 4096 with TABLE (default: \$OUT/generate-tune's), prompt 512 with no table, then ttft at B=1 with TABLE"
   "ttft           | 300 | issue 28: benchmarks/ttft_profile.py (TTFT_ARGS) with TABLE: generate(max_new_tokens=1) and its prefill, original against converted, kernels and host profile; B=1 and B=8, prompt 512"
   "borrowed       | 200 | issue 28: benchmarks/borrowed_decode.py (decode_attention winners fitted to other batches and caches against a sweep's best)"
   "profile        | 400 | benchmarks/step_profile.py (PROFILE_ARGS) with TABLE: the CUDA kernels of one decode step per variant (ours, compiled, graphed)"
@@ -186,7 +186,8 @@ stage() {
   generate-graphs|generate-graphs-2)
     local D0=$D v="compile,compile(converted),compile-dynamo(converted)" g="--parts generate --gen-batches 1,8 --gen-warmup 1 --gen-reps 3"
     if [ "$1" = generate-graphs ]; then
-      TSIG=INT step graphs-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py
+      TSIG=INT step graphs-tests 110 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_passthrough.py \
+        tests/test_gemm_decode.py::test_counters_first_made_under_reduce_overhead_or_a_capture_belong_to_no_pool
       D=$OUT/generate-tune; mkdir -p "$D"
       GEN_PROMPTS=${GEN_PROMPTS:-512,4096} TUNE_S=${TUNE_S:-90} TRIALS=${TRIALS:-5} stage generate-tune
       D=$OUT/generate-p512; mkdir -p "$D"
@@ -195,7 +196,9 @@ stage() {
       D=$OUT/generate-p4096; mkdir -p "$D"
       DECODE_STEP_LIMIT=$(($(left) / 2 + 10)) DECODE_STEP_ARGS="$g --gen-variants $v --prompt-tokens 4096" stage decode-step
       D=$OUT/generate-p512-no-table; mkdir -p "$D"
-      TABLE= OUT=$D DECODE_STEP_ARGS="$g --gen-variants compile,compile(converted),compile-dynamo(converted),compile-graphs(converted) --prompt-tokens 512" stage decode-step
+      TABLE= OUT=$D DECODE_STEP_LIMIT=$(($(left) - 170)) DECODE_STEP_ARGS="$g --gen-variants compile,compile(converted),compile-graphs(converted) --prompt-tokens 512" stage decode-step
+      D=$OUT/ttft; mkdir -p "$D"
+      TTFT_BATCHES=1 stage ttft
     fi
     D=$D0 ;;
   profile)
