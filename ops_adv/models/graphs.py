@@ -20,8 +20,8 @@ memory) while the model lives; `release(model)` gives it back.
 When: by default where a table with winners for the device is loaded (H100, torch 2.11, Llama-3-8B dims,
 4 layers, a tuned table: 1.05-1.53x the original's compiled generate, 1.09-1.12x torch.compile of the
 converted model at B=8, whose B=1 run failed in cudagraph trees). With nothing tuned the converted model runs
-the original's eager code (`_dispatch.passthrough`), and Inductor's fusion of it beat these graphs (0.88-0.98x):
-transformers' torch.compile runs then. OPS_ADV_GENERATE_GRAPHS=1 or 0 forces either; a compile config for a
+the original's code (`_dispatch.passthrough`; torch.compile traces it too), and Inductor's fusion of it beat
+these graphs (0.88-0.98x): transformers' torch.compile runs then. OPS_ADV_GENERATE_GRAPHS=1 or 0 forces either; a compile config for a
 backend other than Inductor or cudagraphs always gets transformers' path.
 """
 from __future__ import annotations
