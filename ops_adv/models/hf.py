@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._op import _is_compiling, _vendor_only
+from .._op import _is_compiling, _tracing_state, _vendor_only
 from .merge import runs_own as _runs_own
 from ..ops.attention import DECODE_MAX_QUERY, attention
 from ..ops.linear import linear
@@ -273,7 +273,7 @@ _SEQ_MEMO: list[Any] = [None]
 
 
 def _decode_seq_lens(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[bool, Any, Any]:
-    if attention_mask is None or _is_compiling() or torch._C._get_tracing_state() is not None:
+    if attention_mask is None or _is_compiling() or _tracing_state() is not None:
         return _seq_lens_of(query, key, attention_mask)
     at = (query.shape[0], query.shape[2], key.shape[2], threading.get_ident())
     memo = _SEQ_MEMO[0]
